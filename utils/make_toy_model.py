@@ -1,0 +1,91 @@
+"""Build the embedded default model (the CartPole of LLM RL): a tiny Qwen2 causal LM and a character tokenizer,
+warm-started with a few seconds of supervised learning on the toy addition task, saved to utils/toy_model/.
+
+Deterministic: fixed seeds, one CPU thread. Run it again to rebuild the shipped files:
+    python -m utils.make_toy_model          # ~20 s on one CPU core
+The warm-up is deliberately short: the model samples the answer format reliably and gets some sums right, so RL has
+something to improve (python grpo.py raises the reward within minutes; see README.md).
+"""
+
+import json
+import os
+import time
+
+import torch
+
+from utils.tasks import TOY_MODEL_DIR, toy_problems
+
+SPECIAL_TOKENS = ["<pad>", "<eos>"]
+
+
+def build_tokenizer():
+    """One token per byte: a byte-level BPE with no merges. Byte-level is what transformers' Qwen2Tokenizer (which
+    AutoTokenizer picks for a qwen2 model folder, whatever tokenizer_config.json says) assumes, so the folder
+    round-trips whichever class loads it, vLLM's included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    byte_chars.sort(key=lambda c: (not (c.isascii() and c.isprintable()), c))  # printable ASCII first, for readability
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def build_model(vocab_size):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None, torch_dtype="float32",
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, seed=0):
+    """Supervised warm-up on train-split problems, loss on the completion tokens only."""
+    rows = toy_problems("train")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(seconds_budget_steps):
+        idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
+        prompts = [tokenizer(rows[i]["prompt"])["input_ids"] for i in idx]
+        completions = [tokenizer(f"<answer>{rows[i]['answer']}</answer>")["input_ids"] + [1] for i in idx]
+        ids = torch.tensor([p + c for p, c in zip(prompts, completions)])  # all rows have the same length
+        labels = ids.clone()
+        labels[:, : len(prompts[0])] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            print(f"warm-up step {step} loss {loss.item():.3f}")
+    model.eval()
+
+
+def main(out_dir=TOY_MODEL_DIR, steps=600):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer))
+    start = time.time()
+    warm_up(model, tokenizer, seconds_budget_steps=steps)
+    print(f"warm-up took {time.time() - start:.1f} s; {sum(p.numel() for p in model.parameters())} parameters")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    # Save as a plain fast tokenizer: recent transformers would reload a Qwen2-typed folder as Qwen2Tokenizer.
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

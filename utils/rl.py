@@ -1,0 +1,104 @@
+"""Pure tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation.
+Formulas, placements and reference numbers: ALGORITHMS.md §1 and §12 (in the shared design notes).
+"""
+
+import torch
+
+# --- KL estimators, elementwise in log space: delta = logp - ref_logp, samples drawn from pi_theta --------------------
+# Which gradient each one gives depends on where it is placed (Tang & Munos arXiv 2506.09477; ALGORITHMS.md §1.1):
+#   k1 in the reward (detached, score-function gradient): grad KL(pi||ref), correct; PPO, REINFORCE++ v1.
+#   k1 as a loss: zero expected gradient: regularizes nothing.
+#   k2 as a loss: grad KL(pi||ref) per token, correct.
+#   k3 as a loss (GRPO paper): grad KL(ref||pi), the *forward* KL: biased for the stated objective.
+#   rho * k3 as a loss with rho = pi/pi_old differentiable (DeepSeek-V3.2): grad KL(pi||ref), correct, off-policy too.
+#   k3 value with the k2 gradient (verl's "k3+", straight-through): correct gradient, k3's low-variance value.
+
+
+def kl_k1(logp, ref_logp):
+    """k1 = log pi - log ref: unbiased value, high variance; belongs in the reward, not the loss."""
+    return logp - ref_logp
+
+
+def kl_k2(logp, ref_logp):
+    """k2 = (log pi - log ref)^2 / 2: biased value; as a loss its gradient is the per-token reverse-KL gradient."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp, ref_logp, straight_through=False):
+    """k3 = ref/pi - 1 - log(ref/pi) >= 0: unbiased, low-variance value; as a loss its gradient is the forward-KL
+    gradient. straight_through=True keeps the k3 value but backpropagates the k2 gradient (correct reverse KL)."""
+    log_ratio = (ref_logp - logp).clamp(-20, 20)
+    k3 = torch.exp(log_ratio) - 1 - log_ratio
+    if straight_through:
+        k2 = kl_k2(logp, ref_logp)
+        return k2 - k2.detach() + k3.detach()
+    return k3
+
+
+def kl_k3_importance_weighted(logp, ref_logp, old_logp):
+    """(pi/pi_old) * k3 with the ratio differentiable: the reverse-KL gradient, on- and off-policy (DeepSeek-V3.2)."""
+    return torch.exp((logp - old_logp).clamp(-20, 20)) * kl_k3(logp, ref_logp)
+
+
+# --- Advantages ------------------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards, scale="group", eps=1e-6):
+    """rewards (num_groups, G) -> advantages of the same shape.
+
+    scale="group": (R - mean_G) / (std_G + eps), GRPO; "batch": (R - mean_G) / (std_batch + eps), Lite PPO;
+    "none": R - mean_G, Dr. GRPO. The std is the unbiased (Bessel) one, as in verl, TRL and OpenRLHF. A group of
+    equal rewards gets advantage 0 exactly.
+    """
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centered
+    if scale == "group":
+        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.ones_like(rewards[:, :1])
+    elif scale == "batch":
+        std = rewards.std()
+    else:
+        raise ValueError(f"unknown reward scaling {scale!r}: use group, batch or none")
+    return centered / (std + eps)
+
+
+def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8):
+    """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
+
+    unbiased=True applies Bessel's correction on the token count (verl masked_whiten); False is OpenRLHF's population
+    variance. shift_mean=False only scales (reward whitening in lm-human-preferences).
+    """
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    var = (((values - mean) * mask) ** 2).sum() / (count - 1 if unbiased else count)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+# --- Loss aggregation ------------------------------------------------------------------------------------------------
+
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(per_token, mask, mode, num_seqs, num_tokens, max_len=None):
+    """Reduce a (B, T) per-token loss over the mask, dividing by counts of the whole optimizer mini-batch.
+
+    num_seqs / num_tokens are the sequence and token counts of the whole mini-batch across micro-batches and ranks,
+    so summing the results of every micro-batch (and ranks) gives exactly the full-batch loss:
+      token-mean:              sum(M l) / num_tokens                              (DAPO, verl/TRL default)
+      seq-mean-token-mean:     sum_i (sum_t M l / |o_i|) / num_seqs              (GRPO paper, GSPO)
+      seq-mean-token-sum:      sum(M l) / num_seqs
+      seq-mean-token-sum-norm: sum(M l) / (num_seqs * max_len)                   (Dr. GRPO's constant normalizer)
+    """
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    if mode == "token-mean":
+        return masked.sum() / num_tokens
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (num_seqs * max_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGGREGATIONS}")

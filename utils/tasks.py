@@ -1,0 +1,122 @@
+"""Tasks: lists of {"prompt", "answer"} rows for training and evaluation.
+
+- "toy": zero-padded two-digit addition, the embedded default ("07+45=" -> "<answer>052</answer>").
+- "gsm8k" (openai/gsm8k, config main), "math" (train DigitalLearningGmbH/MATH-lighteval, test HuggingFaceH4/MATH-500),
+  loaded with `datasets`.
+- a local .jsonl/.json/.parquet file, or a folder holding train.* and test.* files. Rows are read through the same
+  code path as the hub datasets, so GSM8K-shaped (question, answer "... #### 72") and MATH-shaped (problem, solution
+  with a boxed answer, or problem, answer) files work as well as plain {prompt, answer} rows.
+"""
+
+import glob
+import os
+
+import numpy as np
+
+from utils.rewards import extract_boxed, gold_parses
+
+TOY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_model")
+HUB_TASKS = {  # name: (train (path, config, split), test (path, config, split))
+    "gsm8k": (("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")),
+    "math": (("DigitalLearningGmbH/MATH-lighteval", "default", "train"), ("HuggingFaceH4/MATH-500", None, "test")),
+}
+SYSTEM_PROMPTS = {
+    "boxed": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "answer_tags": "Think step by step, then give only the final answer inside <answer> </answer> tags.",
+}
+PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
+DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def toy_problems(split):
+    """All 10,000 zero-padded a+b problems, 500 held out for evaluation by a fixed permutation."""
+    order = np.random.default_rng(1234).permutation(10_000)
+    chosen = order[:500] if split == "test" else order[500:]
+    return [{"prompt": f"{i // 100:02d}+{i % 100:02d}=", "answer": f"{i // 100 + i % 100:03d}"} for i in sorted(chosen)]
+
+
+def check_task(task):
+    """Fail fast on a task that is neither a known name nor an existing local file/folder."""
+    if task == "toy" or task in HUB_TASKS:
+        return
+    if not os.path.exists(task):
+        raise ValueError(f"unknown task {task!r}: use toy, gsm8k, math, or a path to a .jsonl/.parquet file or folder")
+    if os.path.isfile(task) and os.path.splitext(task)[1] not in DATA_EXTENSIONS:
+        raise ValueError(f"task file {task!r}: expected one of {sorted(DATA_EXTENSIONS)}")
+
+
+def _local_files(task, split):
+    if os.path.isfile(task):
+        return [task]
+    files = [f for f in sorted(glob.glob(os.path.join(task, f"{split}*"))) if os.path.splitext(f)[1] in DATA_EXTENSIONS]
+    if not files:
+        raise ValueError(f"task folder {task!r} has no {split}.jsonl/{split}.parquet file")
+    return files
+
+
+def _load_split(task, split):
+    import datasets
+
+    try:
+        if task in HUB_TASKS:
+            path, config, hub_split = HUB_TASKS[task][split == "test"]
+            return datasets.load_dataset(path, config, split=hub_split)
+        files = _local_files(task, split)
+        return datasets.load_dataset(DATA_EXTENSIONS[os.path.splitext(files[0])[1]], data_files=files, split="train")
+    except Exception as e:  # no network, no cache, bad file: one line that says what to do
+        where = "a local copy: --task path/to/file.jsonl (fields prompt, answer)" if task in HUB_TASKS else "the file"
+        raise RuntimeError(f"could not load task {task!r} ({type(e).__name__}: {str(e)[:200]}); check {where}") from e
+
+
+def _gold(answer_text, field):
+    """The gold answer: after '####' for GSM8K-style answers, the last boxed{} of a MATH solution, else as is."""
+    text = str(answer_text)
+    if field == "solution":
+        return extract_boxed(text)
+    return text.split("####")[-1].strip().replace(",", "") if "####" in text else text.strip()
+
+
+def normalize_rows(rows, source):
+    """Map dataset rows with any of the known field names to {"prompt", "answer"}; returns (rows, dropped count)."""
+    columns = list(rows.column_names) if hasattr(rows, "column_names") else list(rows[0].keys()) if rows else []
+    prompt_field = next((f for f in PROMPT_FIELDS if f in columns), None)
+    answer_field = next((f for f in ANSWER_FIELDS if f in columns), None)
+    if prompt_field is None or answer_field is None:
+        raise ValueError(f"{source} has columns {columns}; it needs one of {PROMPT_FIELDS} and one of {ANSWER_FIELDS}")
+    out, dropped = [], 0
+    for row in rows:
+        gold = _gold(row[answer_field], answer_field)
+        if gold is None or not gold_parses(gold):
+            dropped += 1  # scored as 0 forever otherwise: drop it now, and count it
+            continue
+        out.append({"prompt": str(row[prompt_field]), "answer": gold})
+    return out, dropped
+
+
+def format_prompt(tokenizer, question, answer_format):
+    """The chat template with a system prompt asking for a checkable answer; raw text for template-less models."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return question
+    messages = [{"role": "system", "content": SYSTEM_PROMPTS[answer_format]}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500):
+    """Rows {"prompt" (formatted text), "answer"} and counts {"dropped_gold", "dropped_long"}.
+
+    A single local file has no test split: its last `eval_size` rows are held out for evaluation.
+    """
+    if task == "toy":
+        return toy_problems(split), {"dropped_gold": 0, "dropped_long": 0}
+    data = _load_split(task, split)
+    if os.path.isfile(task):
+        n_test = min(eval_size, len(data) // 10) if len(data) >= 10 else 0
+        cut = len(data) - n_test
+        data = data.select(range(cut, len(data)) if split == "test" else range(cut))
+    rows, dropped_gold = normalize_rows(data, task)
+    kept = []
+    for row in rows:
+        prompt = format_prompt(tokenizer, row["prompt"], answer_format)
+        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_length:
+            kept.append({"prompt": prompt, "answer": row["answer"]})
+    return kept, {"dropped_gold": dropped_gold, "dropped_long": len(rows) - len(kept)}
