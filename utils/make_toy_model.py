@@ -45,7 +45,17 @@ def build_model(vocab_size):
     return Qwen2ForCausalLM(config)
 
 
-def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, seed=0):
+def toy_completion(prompt, with_work):
+    """The answer in tags, optionally after the column sums worked out ("07+45=" -> "7+5=12 0+4+1=5 <answer>052</answer>")."""
+    a, b = int(prompt[:2]), int(prompt[3:5])
+    answer = f"<answer>{a + b:03d}</answer>"
+    if not with_work:
+        return answer
+    units, carry = a % 10 + b % 10, int(a % 10 + b % 10 >= 10)
+    return f"{a % 10}+{b % 10}={units} {a // 10}+{b // 10}+{carry}={a // 10 + b // 10 + carry} {answer}"
+
+
+def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, seed=0, work_fraction=0.3, on_step=None):
     """Supervised warm-up on train-split problems, loss on the completion tokens only."""
     rows = toy_problems("train")
     gen = torch.Generator().manual_seed(seed)
@@ -54,20 +64,24 @@ def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, 
     for step in range(seconds_budget_steps):
         idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
         prompts = [tokenizer(rows[i]["prompt"])["input_ids"] for i in idx]
-        completions = [tokenizer(f"<answer>{rows[i]['answer']}</answer>")["input_ids"] + [1] for i in idx]
-        ids = torch.tensor([p + c for p, c in zip(prompts, completions)])  # all rows have the same length
-        labels = ids.clone()
-        labels[:, : len(prompts[0])] = -100
+        with_work = torch.rand(batch_size, generator=gen) < work_fraction
+        completions = [tokenizer(toy_completion(rows[i]["prompt"], w))["input_ids"] + [1] for i, w in zip(idx, with_work)]
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for p, c in zip(prompts, completions)])
+        labels = ids.masked_fill(ids == 0, -100)
+        labels[:, : len(prompts[0])] = -100  # all prompts have the same length
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 100 == 0:
             print(f"warm-up step {step} loss {loss.item():.3f}")
+        if on_step is not None:
+            on_step(step)
     model.eval()
 
 
-def main(out_dir=TOY_MODEL_DIR, steps=600):
+def main(out_dir=TOY_MODEL_DIR, steps=400):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = build_tokenizer()

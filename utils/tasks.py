@@ -65,7 +65,7 @@ def _load_split(task, split):
         return datasets.load_dataset(DATA_EXTENSIONS[os.path.splitext(files[0])[1]], data_files=files, split="train")
     except Exception as e:  # no network, no cache, bad file: one line that says what to do
         where = "a local copy: --task path/to/file.jsonl (fields prompt, answer)" if task in HUB_TASKS else "the file"
-        raise RuntimeError(f"could not load task {task!r} ({type(e).__name__}: {str(e)[:200]}); check {where}") from e
+        raise ValueError(f"could not load task {task!r} ({type(e).__name__}: {str(e)[:200]}); check {where}") from e
 
 
 def _gold(answer_text, field):

@@ -1,0 +1,23 @@
+"""Running grpo.py end to end in a subprocess, as a user would."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_size", "8", "--eval_size", "16",
+         "--eval_samples", "2", "--log_completions_every", "1"]
+
+
+def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True):
+    """Run grpo.py with `args` into out_dir; returns (completed process, metrics rows of the run named exp_name)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [*launcher, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out_dir), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    exp = args[args.index("--exp_name") + 1] if "--exp_name" in args else "grpo"
+    path = os.path.join(str(out_dir), f"{exp}__1", "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    return proc, rows

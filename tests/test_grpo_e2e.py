@@ -1,0 +1,119 @@
+"""grpo.py end to end on the embedded model: 1 and 2 processes, resume, eval-only, a local MATH-shaped file, bad input,
+the --help text, and the learning check (the reward rises)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import grpo
+from tests.helpers import ROOT, SMALL, run_grpo
+
+
+def test_import_has_no_side_effects(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "import grpo, sys; print(sorted(m for m in sys.modules "
+                           "if m in ('vllm', 'wandb', 'accelerate')))"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_help_documents_every_argument():
+    out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for field in dataclasses.fields(grpo.Args):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in out or "--" + field.name in out, field.name
+    helps = [line for line in out.splitlines() if line.strip().startswith("--")]
+    assert all(len(line.split()) > 1 for line in helps)
+    assert "pi/pi_old * k3" in out and "Dr. GRPO" in out  # the field docstrings became the help text
+
+
+def test_real_models_do_not_inherit_toy_defaults(tmp_path):
+    args = grpo.resolve_args(grpo.Args())
+    assert args.learning_rate == 5e-4 and args.max_new_tokens == 48 and args.answer_format == "answer_tags"
+    real = grpo.resolve_args(grpo.Args(model=str(tmp_path), task="gsm8k"))
+    assert real.learning_rate == 1e-6 and real.max_new_tokens == 1024 and real.answer_format == "boxed"
+    assert grpo.resolve_args(grpo.Args(model=str(tmp_path), learning_rate=3e-6)).learning_rate == 3e-6
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "/no/such/model"], "neither a local folder nor a hub id"),
+    (["--task", "gsm9k"], "unknown task 'gsm9k'"),
+    (["--micro_batch_size", "7"], "must divide into --num_minibatches"),
+    (["--beta", "0.1", "--kl_estimator", "k1"], "zero expected gradient"),
+    (["--loss_agg", "sum"], "use one of"),
+])
+def test_bad_input_fails_in_one_line(tmp_path, flags, message):
+    proc, _ = run_grpo(flags, tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
+    """mu = 4 updates per rollout: the first mini-batch is on-policy (ratio exactly 1), later ones are not."""
+    proc, rows = run_grpo(["--total_steps", "3", "--num_epochs", "2", "--num_minibatches", "2", "--eval_every", "2",
+                           "--save_every", "2", "--learning_rate", "3e-3", *SMALL], tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["policy/first_minibatch_ratio_dev_max"] == 0.0
+        assert r["rollout/logprob_gap_max"] < 1e-4  # HF generate samples from the trainer's own weights
+        for key in ("charts/reward", "charts/accuracy", "charts/format", "charts/completion_length", "losses/kl",
+                    "losses/entropy", "policy/clip_frac", "time/rollout", "time/score", "time/train", "time/step"):
+            assert np.isfinite(r[key]), key
+    assert max(r["policy/ratio_max"] for r in rows) > 1.0  # later mini-batches are off-policy
+    assert "eval/pass@1_greedy" in rows[1] and "eval/pass@1_sampled_k2" in rows[2]
+    run_dir = tmp_path / "grpo__1"
+    assert (run_dir / "checkpoint" / "step.json").exists() and (run_dir / "final" / "model.safetensors").exists()
+    assert not (run_dir / "checkpoint.tmp").exists()
+    assert "[reward" in proc.stdout  # sample completions are printed
+    # eval-only on the saved model
+    proc, _ = run_grpo(["--model", str(run_dir / "final"), "--eval_only", "--eval_size", "16", "--eval_samples", "2",
+                        "--exp_name", "eval"], tmp_path)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["eval/problems"] == 16 and 0 <= result["eval/pass@1_greedy"] <= 1
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    _, rows = run_grpo(["--total_steps", "2", "--save_every", "2", "--eval_every", "0", *SMALL], tmp_path)
+    assert len(rows) == 2
+    proc, _ = run_grpo(["--total_steps", "4", "--eval_every", "0", *SMALL], tmp_path, check=False)
+    assert proc.returncode != 0 and "pass --resume" in proc.stderr  # never overwrite a checkpoint silently
+    proc, rows = run_grpo(["--total_steps", "4", "--eval_every", "0", "--resume", *SMALL], tmp_path)
+    assert "resumed from" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3, 4]
+    step = json.load(open(tmp_path / "grpo__1" / "checkpoint" / "step.json"))["step"]
+    assert step == 4
+
+
+def test_two_processes(tmp_path):
+    """accelerate launch --cpu --num_processes 2: groups stay whole on each rank, counts are global."""
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533")
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--num_minibatches", "2", *SMALL], tmp_path,
+                       launcher=launcher)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["policy/first_minibatch_ratio_dev_max"] == 0.0
+    assert rows[1]["eval/problems"] == 16  # both ranks' halves of the eval set were counted
+
+
+def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
+    path = tmp_path / "math.jsonl"
+    with open(path, "w") as f:
+        for i in range(1, 41):
+            f.write(json.dumps({"problem": f"Compute {i}+{i}.", "solution": f"So $\\boxed{{{2 * i}}}$."}) + "\n")
+    proc, rows = run_grpo(["--task", str(path), "--total_steps", "2", "--max_new_tokens", "16", "--eval_every", "2",
+                           "--answer_format", "boxed", *SMALL], tmp_path)
+    assert "36 train / 4 test prompts" in proc.stdout
+    assert len(rows) == 2 and rows[1]["eval/problems"] == 4
+    assert rows[0]["charts/truncated_frac"] >= 0 and rows[0]["charts/reward_timeouts"] == 0
+
+
+def test_default_run_learns(tmp_path):
+    """The README's main job, `python grpo.py`: the mean reward of the last 5 steps beats the first 5 by >= 0.2."""
+    _, rows = run_grpo(["--eval_every", "0"], tmp_path, timeout=900)
+    rewards = [r["charts/reward"] for r in rows]
+    assert len(rewards) == 200
+    assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, (rewards[:5], rewards[-5:])

@@ -1,0 +1,118 @@
+"""utils/rl.py against the reference numbers of ALGORITHMS.md §12 (computed there with NumPy)."""
+
+import pytest
+import torch
+
+from utils.rl import (aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted,
+                      masked_whiten)
+
+T = torch.tensor
+
+
+@pytest.mark.parametrize("logp, ref, expected", [
+    (-1.0, -1.5, (0.5, 0.125, 0.106531)),
+    (-2.0, -1.0, (-1.0, 0.5, 0.718282)),
+    (-0.5, -3.0, (2.5, 3.125, 1.582085)),
+    (-0.7, -0.7, (0.0, 0.0, 0.0)),
+])
+def test_kl_values(logp, ref, expected):  # §12.7
+    got = [f(T(logp), T(ref)).item() for f in (kl_k1, kl_k2, kl_k3)]
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert kl_k3(T(logp), T(ref), straight_through=True).item() == pytest.approx(expected[2], abs=1e-6)
+
+
+# §12.7: pi = softmax(THETA), ref = softmax(REF_LOGITS); exact expectations over the 5 tokens, no sampling noise.
+THETA = [0.5, -0.2, 1.0, 0.0, -1.0]
+REF_LOGITS = [0.0, 0.3, 0.2, -0.5, 0.1]
+GRAD_REVERSE_KL = [0.022720, -0.113646, 0.161891, 0.013780, -0.084745]  # grad KL(pi || ref)
+GRAD_FORWARD_KL = [0.062287, -0.130584, 0.183580, 0.037779, -0.153061]  # grad KL(ref || pi) = pi - ref
+GRAD_K3_IN_REWARD = [-0.039567, 0.016938, -0.021688, -0.023999, 0.068317]
+
+
+def expected_gradient(per_sample_loss):
+    """grad_theta of E_{x~pi}[loss(x)] with the samples held fixed: sum_x sg(pi(x)) * grad loss(x)."""
+    theta = T(THETA, requires_grad=True)
+    logp = torch.log_softmax(theta, 0)
+    ref = torch.log_softmax(T(REF_LOGITS), 0)
+    (logp.exp().detach() * per_sample_loss(logp, ref)).sum().backward()
+    return theta.grad.tolist()
+
+
+@pytest.mark.parametrize("name, per_sample_loss, expected", [
+    ("k2 as a loss", kl_k2, GRAD_REVERSE_KL),
+    ("k1 in the reward", lambda lp, ref: kl_k1(lp, ref).detach() * lp, GRAD_REVERSE_KL),
+    ("rho * k3, rho differentiable", lambda lp, ref: kl_k3_importance_weighted(lp, ref, lp.detach()), GRAD_REVERSE_KL),
+    ("k3 value, k2 gradient", lambda lp, ref: kl_k3(lp, ref, straight_through=True), GRAD_REVERSE_KL),
+    ("k3 as a loss (GRPO)", kl_k3, GRAD_FORWARD_KL),
+    ("k1 as a loss", kl_k1, [0.0] * 5),
+    ("k3 in the reward", lambda lp, ref: kl_k3(lp, ref).detach() * lp, GRAD_K3_IN_REWARD),
+])
+def test_kl_placement_gradients(name, per_sample_loss, expected):
+    assert expected_gradient(per_sample_loss) == pytest.approx(expected, abs=1e-6), name
+
+
+@pytest.mark.parametrize("rewards, group_eps6, group_eps4, mean_only", [  # §12.1
+    ([1, 0, 0, 0], [1.499997, -0.499999, -0.499999, -0.499999], [1.4997, -0.4999, -0.4999, -0.4999],
+     [0.75, -0.25, -0.25, -0.25]),
+    ([1, 1, 0, 0], [0.866024, 0.866024, -0.866024, -0.866024], [0.865875, 0.865875, -0.865875, -0.865875],
+     [0.5, 0.5, -0.5, -0.5]),
+    ([1, 0, 1, 1, 0, 0, 0, 0], [1.207612, -0.724567, 1.207612, 1.207612] + [-0.724567] * 4,
+     [1.207381, -0.724429, 1.207381, 1.207381] + [-0.724429] * 4, [0.625, -0.375, 0.625, 0.625] + [-0.375] * 4),
+    ([0, 0, 0, 0], [0.0] * 4, [0.0] * 4, [0.0] * 4),
+    ([1, -1, -1, -1], [1.499999, -0.5, -0.5, -0.5], [1.49985, -0.49995, -0.49995, -0.49995], [1.5, -0.5, -0.5, -0.5]),
+])
+def test_group_advantages(rewards, group_eps6, group_eps4, mean_only):
+    r = T([rewards], dtype=torch.float64)
+    assert group_advantages(r, "group", 1e-6)[0].tolist() == pytest.approx(group_eps6, abs=1e-5)
+    assert group_advantages(r, "group", 1e-4)[0].tolist() == pytest.approx(group_eps4, abs=1e-5)
+    assert group_advantages(r, "none")[0].tolist() == pytest.approx(mean_only, abs=1e-9)
+    assert not torch.isnan(group_advantages(r, "group", 0.0)).any() or r.std() == 0
+
+
+def test_batch_std_scaling():
+    r = T([[1.0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
+    centered = r - r.mean(1, keepdim=True)
+    assert torch.allclose(group_advantages(r, "batch", 0.0), centered / r.std())
+    with pytest.raises(ValueError, match="unknown reward scaling"):
+        group_advantages(r, "sequence")
+
+
+def test_masked_whiten_token_weighted():  # §12.2: REINFORCE++-baseline, two groups with lengths 2..8 and 3
+    scalar = T([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75], dtype=torch.float64)
+    lengths = [2, 4, 6, 8, 3, 3, 3, 3]
+    mask = (torch.arange(8)[None, :] < T(lengths)[:, None]).double()
+    values = scalar[:, None].expand(8, 8)
+    verl = masked_whiten(values, mask, unbiased=True)[:, 0]
+    openrlhf = masked_whiten(values, mask, unbiased=False)[:, 0]
+    assert verl[[0, 1, 4, 7]].tolist() == pytest.approx([2.287193, -0.423554, 0.931819, -1.778928], abs=1e-5)
+    assert openrlhf[[0, 1, 4, 7]].tolist() == pytest.approx([2.323790, -0.430331, 0.946729, -1.807392], abs=1e-5)
+    scaled = masked_whiten(values, mask, shift_mean=False)
+    assert (scaled * mask).sum() / mask.sum() == pytest.approx((values * mask).sum().item() / 32, abs=1e-9)
+
+
+LOSS = T([[1.0, 2, 3, 0, 0], [4, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+MASK = T([[1.0, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("mode, expected", [  # §12.3
+    ("token-mean", 15 / 9), ("seq-mean-token-mean", 7 / 3), ("seq-mean-token-sum", 5.0),
+    ("seq-mean-token-sum-norm", 1.0),
+])
+def test_aggregation_values(mode, expected):
+    assert aggregate_loss(LOSS + 99 * (1 - MASK), MASK, mode, 3, MASK.sum(), max_len=5).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_aggregation_micro_batch_invariance(mode):
+    """Summing micro-batch losses divided by the global counts gives the full-batch gradient exactly."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 7, requires_grad=True)
+    mask = (torch.rand(6, 7) > 0.3).float()
+    mask[:, 0] = 1
+    full = torch.autograd.grad(aggregate_loss(x ** 2, mask, mode, 6, mask.sum(), 7), x)[0]
+    split = sum(aggregate_loss(x[i:i + 2] ** 2, mask[i:i + 2], mode, 6, mask.sum(), 7) for i in range(0, 6, 2))
+    assert torch.allclose(torch.autograd.grad(split, x)[0], full, atol=1e-7)
+    # the classic bug: averaging per-micro-batch token means is not the same thing
+    if mode == "token-mean":
+        wrong = sum(aggregate_loss(x[i:i + 2] ** 2, mask[i:i + 2], mode, 2, mask[i:i + 2].sum()) for i in range(0, 6, 2)) / 3
+        assert not torch.allclose(torch.autograd.grad(wrong, x)[0], full, atol=1e-4)

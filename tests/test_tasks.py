@@ -1,0 +1,127 @@
+"""Task loading through the hub-dataset code path, on local files of the same shape (no hub access in tests)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from utils.tasks import TOY_MODEL_DIR, check_task, format_prompt, load_task, normalize_rows, toy_problems
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def write_parquet(path, rows):
+    import pandas as pd
+
+    pd.DataFrame(rows).to_parquet(path)
+    return str(path)
+
+
+GSM8K_ROWS = [{"question": f"Tom has {i} apples and buys {i + 1}. How many?", "answer": f"{i} + {i + 1} = "
+               f"{2 * i + 1}\n#### {2 * i + 1:,}"} for i in range(995, 1015)]
+MATH_ROWS = [{"problem": f"Compute $\\frac{{{i}}}{{{i + 1}}} + 0$.", "solution": f"It is $\\boxed{{\\frac{{{i}}}{{{i + 1}}}}}$.",
+              "level": "Level 1", "type": "Algebra"} for i in range(1, 21)]
+
+
+def test_toy_split_is_disjoint_and_complete():
+    train, test = toy_problems("train"), toy_problems("test")
+    assert len(train) == 9500 and len(test) == 500
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert {"prompt": "07+45=", "answer": "052"} in train + test
+
+
+def test_tokenizer_round_trips(tokenizer):
+    """AutoTokenizer may load the folder as Qwen2Tokenizer: it must still be one token per character, lossless."""
+    text = "07+45= 7+5=12\n<answer>052</answer> \\boxed{\\frac{1}{3}} é"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert len(tokenizer("07+45=", add_special_tokens=False)["input_ids"]) == 6
+    assert tokenizer.eos_token_id == 1 and tokenizer.pad_token_id == 0
+
+
+@pytest.mark.parametrize("writer, ext", [(write_parquet, "parquet"), (write_jsonl, "jsonl")])
+def test_gsm8k_shaped_folder(tmp_path, tokenizer, writer, ext):
+    writer(tmp_path / f"train.{ext}", GSM8K_ROWS[:15])
+    writer(tmp_path / f"test.{ext}", GSM8K_ROWS[15:])
+    rows, counts = load_task(str(tmp_path), "train", tokenizer)
+    assert len(rows) == 15 and counts == {"dropped_gold": 0, "dropped_long": 0}
+    assert rows[0] == {"prompt": GSM8K_ROWS[0]["question"], "answer": "1991"}  # after '####', commas removed
+    assert len(load_task(str(tmp_path), "test", tokenizer)[0]) == 5
+
+
+def test_math_shaped_file_holds_out_its_tail(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    train, _ = load_task(path, "train", tokenizer, eval_size=500)
+    test, _ = load_task(path, "test", tokenizer, eval_size=500)
+    assert len(train) == 18 and len(test) == 2  # 10% held out
+    assert train[0]["answer"] == "\\frac{1}{2}"  # the last boxed{} of the solution
+    assert test[-1]["answer"] == "\\frac{20}{21}"
+
+
+def test_unparseable_gold_and_long_prompts_are_dropped_with_counts(tmp_path, tokenizer):
+    rows = [{"prompt": "short", "answer": "3"}, {"prompt": "long " * 200, "answer": "4"},
+            {"prompt": "bad gold", "answer": ""}, {"problem": None, "solution": "no box here"}][:3]
+    rows += [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    kept, counts = load_task(path, "train", tokenizer, max_prompt_length=64)
+    assert counts == {"dropped_gold": 1, "dropped_long": 1}
+    assert all(len(r["prompt"]) <= 64 for r in kept)
+
+
+def test_missing_fields_error_says_what_is_needed(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hi", "label": 1}] * 12)
+    with pytest.raises(ValueError, match=r"needs one of \('prompt', 'question', 'problem'\)"):
+        load_task(path, "train", tokenizer)
+
+
+def test_unknown_task_and_bad_extension():
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+        check_task("gsm9k")
+    with pytest.raises(ValueError, match="expected one of"):
+        check_task(__file__)
+    check_task("gsm8k")
+    check_task("toy")
+
+
+def test_normalize_rows_on_plain_lists():
+    rows, dropped = normalize_rows([{"problem": "p", "answer": "\\frac{1}{2}"}], "rows")
+    assert rows == [{"prompt": "p", "answer": "\\frac{1}{2}"}] and dropped == 0
+
+
+def test_chat_template_and_system_prompt():
+    class ChatTokenizer:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return " | ".join(f"{m['role']}: {m['content']}" for m in messages)
+
+    assert "\\boxed{}" in format_prompt(ChatTokenizer(), "What is 2+2?", "boxed")
+    assert "<answer>" in format_prompt(ChatTokenizer(), "What is 2+2?", "answer_tags")
+    assert format_prompt(type("NoChat", (), {"chat_template": None})(), "q", "boxed") == "q"
+
+
+def test_hub_task_offline_fails_fast_with_a_clear_message(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path))
+    start = time.time()
+    out = subprocess.run([sys.executable, "grpo.py", "--task", "gsm8k", "--output_dir", str(tmp_path)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "could not load task 'gsm8k'" in last and "--task path/to/file.jsonl" in last, last
+    assert time.time() - start < 120
