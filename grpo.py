@@ -303,7 +303,7 @@ def create_engine(args, accelerator):
 def push_weights(engine, model, accelerator):
     """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
     state_dict = accelerator.unwrap_model(model).state_dict()
-    weights = [(name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items()]
+    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
     engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
 
@@ -485,7 +485,8 @@ def main(args):
     from tqdm import tqdm
 
     torch.set_num_threads(args.threads)
-    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
     # Bad input fails here, in one line, before the models load.
     try:
         args = resolve_args(args, accelerator.num_processes)
@@ -497,7 +498,7 @@ def main(args):
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
-                      f"train {train_counts}, test {test_counts}")
+                      f"train {train_counts}, test {test_counts}; {accelerator.num_processes} process(es)")
     if not args.eval_only and len(train_rows) < args.prompts_per_step:
         raise SystemExit(f"error: only {len(train_rows)} train prompts: lower --prompts_per_step below that")
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
@@ -519,6 +520,10 @@ def main(args):
 
     if args.eval_only:
         result = evaluate(args, engine, model, tokenizer, test_rows, accelerator, step=0)
+        if accelerator.is_main_process:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"model": args.model, **result}) + "\n")
         accelerator.print(json.dumps(result))
         return result
 

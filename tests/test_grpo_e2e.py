@@ -75,6 +75,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
                         "--exp_name", "eval"], tmp_path)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["eval/problems"] == 16 and 0 <= result["eval/pass@1_greedy"] <= 1
+    assert json.loads(open(tmp_path / "eval__1" / "metrics.jsonl").read())["eval/problems"] == 16
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):
@@ -89,11 +90,12 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
 
 
 def test_two_processes(tmp_path):
-    """accelerate launch --cpu --num_processes 2: groups stay whole on each rank, counts are global."""
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533")
-    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--num_minibatches", "2", *SMALL], tmp_path,
-                       launcher=launcher)
+    """Two gloo processes (torchrun; `accelerate launch --cpu` starts only one): groups stay whole on each rank,
+    normalizers and eval counts are global."""
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533")
+    proc, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--num_minibatches", "2", *SMALL,
+                           "--micro_batch_size", "4"], tmp_path, launcher=launcher)
+    assert proc.stdout.count("task toy:") == 1 and "2 process(es)" in proc.stdout  # one main process prints
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["policy/first_minibatch_ratio_dev_max"] == 0.0
     assert rows[1]["eval/problems"] == 16  # both ranks' halves of the eval set were counted
