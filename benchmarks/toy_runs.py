@@ -1,0 +1,120 @@
+"""Learning curves on the embedded toy task: each variant over several seeds, as a table and a PNG.
+
+    python benchmarks/toy_runs.py                       # grpo (paper defaults), 3 seeds, 200 steps
+    python benchmarks/toy_runs.py --variants grpo dr_grpo token_mean --seeds 1 2 3
+    python benchmarks/toy_runs.py --variants grpo vllm_cpu --seeds 1 --steps 60   # engine step-time ratio
+
+Runs `grpo.py` in subprocesses (one CPU thread each), reads each run's metrics.jsonl, and writes
+benchmarks/results/<name>.md (+ .png when matplotlib is installed). Timings are medians over steps, compared as
+ratios against the first variant measured in the same invocation.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {
+    "grpo": [],  # the paper: group z-score, seq-mean-token-mean, k3 KL in the loss (beta 0.04)
+    "dr_grpo": ["--scale_rewards", "none", "--loss_agg", "seq-mean-token-sum-norm", "--beta", "0"],
+    "token_mean": ["--loss_agg", "token-mean"],
+    "k3_is": ["--kl_estimator", "k3_is"],
+    "no_kl": ["--beta", "0"],
+    "vllm_cpu": ["--engine", "vllm"],
+}
+PHASES = ["time/rollout", "time/score", "time/train", "time/step"]
+
+
+def run(variant, seed, steps, out_dir, extra):
+    exp = f"{variant}"
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--exp_name", exp, "--seed", str(seed), "--total_steps",
+           str(steps), "--eval_every", str(max(1, steps // 4)), "--output_dir", out_dir, *VARIANTS[variant], *extra]
+    start = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.time() - start
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, f"{exp}__{seed}", "metrics.jsonl"))]
+    return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
+
+
+def summarize(result):
+    rows = result["rows"]
+    rewards = [r["charts/reward"] for r in rows]
+    evals = [r for r in rows if "eval/pass@1_greedy" in r]
+    sampled_key = next(k for k in evals[-1] if k.startswith("eval/pass@1_sampled"))
+    return {
+        "reward_first5": np.mean(rewards[:5]), "reward_last5": np.mean(rewards[-5:]),
+        "length_first5": np.mean([r["charts/completion_length"] for r in rows[:5]]),
+        "length_last5": np.mean([r["charts/completion_length"] for r in rows[-5:]]),
+        "greedy_end": evals[-1]["eval/pass@1_greedy"], "sampled_end": evals[-1][sampled_key],
+        "gap_max": max(r["rollout/logprob_gap_max"] for r in rows),
+        **{p: np.median([r[p] for r in rows]) for p in PHASES},
+        "wall_s": result["wall_s"],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["grpo"], choices=sorted(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--name", default=None, help="results file name (default: the variants joined)")
+    parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo.py flags for every run")
+    args = parser.parse_args()
+    extra = [a for a in args.extra if a != "--"]
+    name = args.name or "toy_" + "_".join(args.variants)
+    results = [run(v, s, args.steps, args.out_dir, extra) for v in args.variants for s in args.seeds]
+    table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r)} for r in results]
+
+    base = [t for t in table if t["variant"] == args.variants[0]]
+    lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
+             f"{' '.join(map(str, args.seeds))} --steps {args.steps}{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             "| variant | seed | reward first 5 | reward last 5 | length first 5 | length last 5 | greedy pass@1 end "
+             "| sampled pass@1 end | max logprob gap | median step s | wall s |", "|" + "---|" * 11]
+    for t in table:
+        lines.append(f"| {t['variant']} | {t['seed']} | {t['reward_first5']:.3f} | {t['reward_last5']:.3f} | "
+                     f"{t['length_first5']:.1f} | {t['length_last5']:.1f} | {t['greedy_end']:.3f} | "
+                     f"{t['sampled_end']:.3f} | {t['gap_max']:.1e} | {t['time/step']:.3f} | {t['wall_s']:.0f} |")
+    lines += ["", f"Median phase times relative to `{args.variants[0]}` (same invocation, medians over steps, "
+              "then over seeds):", "", "| variant | " + " | ".join(p[5:] for p in PHASES) + " |",
+              "|" + "---|" * (len(PHASES) + 1)]
+    for v in args.variants:
+        rows = [t for t in table if t["variant"] == v]
+        ratios = [np.median([t[p] for t in rows]) / np.median([t[p] for t in base]) for p in PHASES]
+        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "benchmarks", "results", name)
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, (ax_reward, ax_length) = plt.subplots(1, 2, figsize=(11, 4))
+    for v in args.variants:
+        curves = np.array([[r["charts/reward"] for r in res["rows"]] for res in results if res["variant"] == v])
+        lengths = np.array([[r["charts/completion_length"] for r in res["rows"]] for res in results if res["variant"] == v])
+        steps = np.arange(1, curves.shape[1] + 1)
+        for ax, data in ((ax_reward, curves), (ax_length, lengths)):
+            mean = data.mean(0)
+            ax.plot(steps, mean, label=f"{v} ({len(data)} seeds)")
+            ax.fill_between(steps, data.min(0), data.max(0), alpha=0.2)
+    ax_reward.set(xlabel="step", ylabel="mean reward (accuracy + 0.1 format)", title="toy addition, reward")
+    ax_length.set(xlabel="step", ylabel="completion tokens", title="completion length")
+    ax_reward.legend()
+    fig.tight_layout()
+    fig.savefig(path + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
