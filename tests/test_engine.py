@@ -1,0 +1,75 @@
+"""The HF rollout engine and the trainer's log-probs, in process on the embedded model: sampling log-probs agree with
+the trainer's (temperature applied), the model's own sampling defaults do not leak in, padding does not change
+log-probs, and stop tokens and truncation are reported."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import grpo
+
+PROMPTS = ["12+34=", "07+45=", "99+99=", "5+5="]  # the last one is shorter: left padding is exercised
+
+
+def setup(model_dir=None, **overrides):
+    args = grpo.resolve_args(grpo.Args(**overrides))
+    if model_dir is not None:
+        args.model = str(model_dir)
+    accelerator = Accelerator(cpu=True)
+    tokenizer = grpo.load_tokenizer(args)
+    model = grpo.load_model(args, accelerator, tokenizer).eval()
+    return args, accelerator, tokenizer, model
+
+
+def rollout(model, tokenizer, accelerator, temperature, n=4, max_new_tokens=48):
+    torch.manual_seed(0)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    samples = grpo.generate({"llm": None}, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens,
+                            accelerator, step=1)
+    batch = grpo.make_batch([p for p in prompts for _ in range(n)], samples, tokenizer.pad_token_id, "cpu")
+    return samples, batch, grpo.batched_logprobs(model, batch, temperature, micro_batch_size=5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+def test_sampling_logprobs_match_the_trainer(temperature):
+    _, accelerator, tokenizer, model = setup()
+    _, batch, trainer = rollout(model, tokenizer, accelerator, temperature)
+    mask = batch["completion_mask"].bool()
+    assert (batch["engine_logp"] - trainer).abs()[mask].max() < 1e-4
+    if temperature != 1.0:  # the trainer without the temperature would not match: the test can tell
+        untempered = grpo.batched_logprobs(model, batch, 1.0, micro_batch_size=5)
+        assert (batch["engine_logp"] - untempered).abs()[mask].max() > 1e-2
+
+
+def test_model_sampling_defaults_do_not_leak(tmp_path):
+    shutil.copytree(grpo.TOY_MODEL_DIR, tmp_path / "m")
+    path = tmp_path / "m" / "generation_config.json"
+    config = json.load(open(path))
+    config.update(top_k=2, repetition_penalty=3.0, temperature=0.2, do_sample=False)
+    json.dump(config, open(path, "w"))
+    _, accelerator, tokenizer, model = setup(tmp_path / "m")
+    _, batch, trainer = rollout(model, tokenizer, accelerator, 1.0)
+    assert (batch["engine_logp"] - trainer).abs()[batch["completion_mask"].bool()].max() < 1e-4
+
+
+def test_left_padding_does_not_change_logprobs():
+    _, accelerator, tokenizer, model = setup()
+    samples, batch, trainer = rollout(model, tokenizer, accelerator, 1.0)
+    prompt = tokenizer(PROMPTS[-1])["input_ids"]  # the short, left-padded prompt
+    ids, _, _ = samples[-1]
+    alone = grpo.make_batch([prompt], [(ids, None, False)], tokenizer.pad_token_id, "cpu")
+    single = grpo.batched_logprobs(model, alone, 1.0, micro_batch_size=1)
+    assert torch.allclose(single[0, :len(ids)], trainer[-1, :len(ids)], atol=1e-5)
+
+
+def test_stop_tokens_and_truncation():
+    _, accelerator, tokenizer, model = setup()
+    assert tokenizer.stop_ids == [tokenizer.eos_token_id]
+    samples, batch, _ = rollout(model, tokenizer, accelerator, 1.0, max_new_tokens=5)
+    assert all(truncated and len(ids) == 5 for ids, _, truncated in samples)  # no answer fits in 5 tokens
+    samples, _, _ = rollout(model, tokenizer, accelerator, 0.0)  # greedy: no sampling log-probs
+    assert all(ids[-1] == tokenizer.eos_token_id and not truncated and lp is None for ids, lp, truncated in samples)
+    assert batch["completion_mask"].sum(-1).tolist() == [5.0] * 16
