@@ -17,6 +17,7 @@ eval -> checkpoint. Run `python grpo.py` (embedded tiny model, toy addition task
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import resource
@@ -281,21 +282,10 @@ def batched_logprobs(model, batch, temperature, micro_batch_size):
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
 
 
-def use_vllm(args):
-    if args.engine == "hf":
-        return False
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        if args.engine == "vllm":
-            raise
-        return False
-    return args.engine == "vllm" or torch.cuda.is_available()
-
-
 def create_engine(args, accelerator):
-    """One in-process vLLM engine per rank (external_launcher), or None for HF generate."""
-    if not use_vllm(args):
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for HF generate."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
         return {"llm": None}
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -346,26 +336,22 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
 
     unwrapped = accelerator.unwrap_model(model)
     prompt_ids = [p for p in prompts for _ in range(n)]
-    width = max(len(p) for p in prompt_ids)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=accelerator.device)
-    attention_mask = (torch.arange(width, device=input_ids.device) >= torch.tensor(
-        [width - len(p) for p in prompt_ids], device=input_ids.device)[:, None]).long()
+    inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
     sampling = temperature > 0
     recorder = RecordSampledLogprobs([TemperatureLogitsWarper(temperature)] + (
         [TopPLogitsWarper(top_p)] if top_p < 1 else [])) if sampling else None
     # The model's own sampling defaults (top_k, repetition_penalty, ...) would fill any unset field and bias the
     # samples: generate from a blank config, temperature and top-p applied by the recorder alone.
-    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, pad_token_id=pad,
+    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=tokenizer.stop_ids, use_cache=True, top_k=0 if sampling else None)
     saved, unwrapped.generation_config = unwrapped.generation_config, GenerationConfig()
     try:
-        out = unwrapped.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+        out = unwrapped.generate(**inputs, generation_config=config,
                                  logits_processor=[recorder] if sampling else None,
                                  synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
     finally:
         unwrapped.generation_config = saved
-    new = out[:, width:]
+    new = out[:, inputs["input_ids"].shape[1]:]
     if sampling:
         recorder.taken.append(recorder.previous.gather(-1, new[:, -1:]))
         logprobs = torch.cat(recorder.taken, dim=1)
@@ -532,6 +518,10 @@ def update_policy(args, model, optimizer, batch, accelerator):
 # ---- Logging --------------------------------------------------------------------------------------------------------
 
 
+CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
+                "rollout/logprob_gap_max", "time/step", "eval/pass@1_greedy"]
+
+
 def reduce_metrics(metrics, accelerator):
     """Average over processes (max for keys ending in _max)."""
     keys = sorted(metrics)
@@ -598,7 +588,11 @@ def main(args):
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
     os.makedirs(run_dir, exist_ok=True)
     if accelerator.is_main_process:
-        metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if args.resume else "w")
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        kept = [line for line in open(metrics_path) if json.loads(line)["step"] < start_step] if (
+            start_step > 1 and os.path.exists(metrics_path)) else []  # drop steps logged after the checkpoint
+        metrics_file = open(metrics_path, "w")
+        metrics_file.writelines(kept)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=1)
         if args.track:
@@ -607,88 +601,75 @@ def main(args):
             wandb.init(project=args.wandb_project, name=os.path.basename(run_dir), config=asdict(args),
                        id=os.path.basename(run_dir), resume="allow")
 
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
     prompts_local = args.prompts_per_step // world
-    G = args.num_generations
     progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                     disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in progress:
-        t_step = time.time()
-        # 1. Rollout: every process takes its own whole groups of the step's prompts.
+        times = {"step": time.time()}
+        # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts.
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
         rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-        t0 = time.time()
+        times["rollout"] = time.time()
         samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
                            accelerator, step)
-        t_rollout = time.time() - t0
-        # 2. Score.
-        t0 = time.time()
+        # 2. Score: reward = accuracy + w * format.
+        times["score"] = time.time()
         texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
         golds = [r["answer"] for r in rows for _ in range(G)]
         accuracy, formats, counts = score_completions(texts, golds, args.task, args.answer_format, args.reward_timeout)
-        task_rewards = torch.tensor(accuracy, device=accelerator.device) + args.format_reward_weight * torch.tensor(
-            formats, device=accelerator.device)
-        rewards = task_rewards
-        t_score = time.time() - t0
-        # 3. Old (and reference) log-probs from the trainer, then advantages from all processes' rewards.
-        t0 = time.time()
+        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        # 3. pi_old (and pi_ref) log-probs recomputed by the trainer; group advantages from every process's rewards.
+        times["train"] = time.time()
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         mask = batch["completion_mask"]
         batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        rewards = task_rewards.to(accelerator.device)
         if ref_model is not None:
             batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
-        if ref_model is not None and args.kl_in_reward:
-            seq_kl = (kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator) * mask).sum(-1)
-            rewards = rewards - args.beta * seq_kl
+            if args.kl_in_reward:  # detached sequence KL subtracted from the reward, before the advantages
+                kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
+                rewards = rewards - args.beta * (kl * mask).sum(-1)
         all_rewards = accelerator.gather(rewards)
-        advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
-        batch["advantages"] = advantages.view(world, -1)[rank]
-        gap = (batch["engine_logp"] - batch["old_logp"]).abs()[mask.bool()]
+        batch["advantages"] = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps).view(world, -1)[rank]
         if args.tis_cap > 0:
             batch["is_weights"] = torch.exp(batch["old_logp"] - batch["engine_logp"]).clamp(max=args.tis_cap)
         # 4. mu = num_epochs * num_minibatches optimizer steps on this batch.
         train_stats = update_policy(args, model, optimizer, batch, accelerator)
-        t_train = time.time() - t0
-
-        # 5. Log.
+        # 5. Log, evaluate, checkpoint.
+        gap = (batch["engine_logp"] - batch["old_logp"]).abs()[mask.bool()]
         lengths = mask.sum(-1)
-        metrics = {**train_stats,
-            "charts/reward": task_rewards.mean().item(), "charts/accuracy": float(np.mean(accuracy)),
-            "charts/format": float(np.mean(formats)), "charts/completion_length": lengths.float().mean().item(),
-            "charts/completion_length_max": lengths.max().item(),
-            "charts/truncated_frac": float(np.mean([t for _, _, t in samples])),
+        now = time.time()
+        metrics = reduce_metrics({
+            **train_stats, "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
+            "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
+            "charts/completion_length_max": lengths.max(), "charts/truncated_frac": np.mean([t for *_, t in samples]),
             "charts/no_answer_frac": counts["no_answer"] / len(samples), "charts/reward_timeouts": counts["timeouts"],
-            "rollout/logprob_gap_mean": gap.mean().item() if len(gap) else 0.0,
-            "rollout/logprob_gap_max": gap.max().item() if len(gap) else 0.0,
-            "rollout/tokens_per_s": mask.sum().item() / t_rollout,
-            "time/rollout": t_rollout, "time/weight_sync": engine.get("sync_time", 0.0), "time/score": t_score,
-            "time/train": t_train, "time/step": time.time() - t_step,
+            "rollout/logprob_gap_mean": gap.mean() if len(gap) else 0.0,
+            "rollout/logprob_gap_max": gap.max() if len(gap) else 0.0,
+            "rollout/tokens_per_s": mask.sum() / (times["score"] - times["rollout"]),
+            "time/rollout": times["score"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
+            "time/score": times["train"] - times["score"], "time/train": now - times["train"],
+            "time/step": now - times["step"],
             "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        }
-        if on_gpu:
-            metrics["memory/cuda_allocated_gb_max"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics = reduce_metrics(metrics, accelerator)
+            **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30} if on_gpu else {}),
+        }, accelerator)
         metrics["charts/reward_std"] = all_rewards.std().item()
         if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
-            t0 = time.time()
             metrics.update(evaluate(args, engine, model, tokenizer, test_rows, accelerator, step + 1))
-            metrics["time/eval"] = time.time() - t0
+            metrics["time/eval"] = time.time() - now
         metrics["step"] = step
         if accelerator.is_main_process:
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
             if args.track:
                 wandb.log(metrics, step=step)
-            progress.write(f"step {step:4d} reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f}"
-                           f" len {metrics['charts/completion_length']:.1f} kl {metrics.get('losses/kl', 0):.4f} "
-                           f"clip {metrics['policy/clip_frac']:.3f} gap {metrics['rollout/logprob_gap_mean']:.2e} "
-                           f"{metrics['time/step']:.2f}s" + "".join(f" {k[5:]} {v:.3f}" for k, v in metrics.items()
-                                                                   if k.startswith("eval/pass")))
+            progress.write(f"step {step}" + "".join(f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS
+                                                    if k in metrics))
             if args.log_completions_every and step % args.log_completions_every == 0:
                 for text, gold, r in list(zip(texts, golds, task_rewards.tolist()))[:: max(1, len(texts) // 3)][:3]:
                     progress.write(f"  [reward {r:.2f} | gold {gold}] {text[-200:]!r}")
-        # 6. Checkpoint.
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))

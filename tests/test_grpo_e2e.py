@@ -84,8 +84,15 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert len(rows) == 2
     proc, _ = run_grpo(["--total_steps", "4", "--eval_every", "0", *SMALL], tmp_path, check=False)
     assert proc.returncode != 0 and "pass --resume" in proc.stderr  # never overwrite a checkpoint silently
+    with open(tmp_path / "grpo__1" / "metrics.jsonl", "a") as f:  # a crash after step 2's checkpoint logged step 3
+        f.write(json.dumps({"step": 3, "charts/reward": -1.0}) + "\n")
     proc, rows = run_grpo(["--total_steps", "4", "--eval_every", "0", "--resume", *SMALL], tmp_path)
     assert "resumed from" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3, 4]
+    # the same run without the interruption gives the same steps 3 and 4: model, optimizer and RNG were restored
+    _, straight = run_grpo(["--total_steps", "4", "--save_every", "2", "--eval_every", "0", "--exp_name", "straight",
+                            *SMALL], tmp_path)
+    for key in ("charts/reward", "charts/completion_length", "losses/policy", "policy/grad_norm"):
+        assert [r[key] for r in rows[2:]] == pytest.approx([r[key] for r in straight[2:]], rel=1e-5), key
     step = json.load(open(tmp_path / "grpo__1" / "checkpoint" / "step.json"))["step"]
     assert step == 4
 
