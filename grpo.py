@@ -145,7 +145,7 @@ def resolve_args(args, num_processes=1):
     if args.task == "toy":
         args.answer_format = "answer_tags"
     check_task(args.task)
-    if not os.path.isdir(args.model) and (args.model.startswith((".", "/")) or args.model.count("/") != 1):
+    if not os.path.isdir(args.model) and (args.model.startswith((".", "/", "~")) or args.model.count("/") > 1):
         raise ValueError(f"--model {args.model!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct")
     if args.loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")

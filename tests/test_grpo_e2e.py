@@ -98,9 +98,10 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
 
 
 def test_two_processes(tmp_path):
-    """Two gloo processes (torchrun; `accelerate launch --cpu` starts only one): groups stay whole on each rank,
-    normalizers and eval counts are global."""
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533")
+    """Two gloo processes: groups stay whole on each rank, normalizers and eval counts are global. accelerate's
+    --multi_gpu launcher (torchrun) is what starts several CPU processes; `accelerate launch --cpu` starts one."""
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533")
     proc, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--num_minibatches", "2", *SMALL,
                            "--micro_batch_size", "4"], tmp_path, launcher=launcher)
     assert proc.stdout.count("task toy:") == 1 and "2 process(es)" in proc.stdout  # one main process prints
@@ -127,3 +128,15 @@ def test_default_run_learns(tmp_path):
     rewards = [r["charts/reward"] for r in rows]
     assert len(rewards) == 200
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, (rewards[:5], rewards[-5:])
+
+
+def test_a_crash_while_checkpointing_loses_nothing(tmp_path):
+    """save_checkpoint writes checkpoint.tmp (step.json last), then renames checkpoint -> .old, .tmp -> checkpoint."""
+    (tmp_path / "checkpoint.tmp").mkdir()  # crash while writing: the half-written folder has no step.json
+    assert grpo.find_checkpoint(str(tmp_path)) is None
+    (tmp_path / "checkpoint.old").mkdir()  # crash between the two renames: the previous checkpoint is still whole
+    (tmp_path / "checkpoint.old" / "step.json").write_text('{"step": 4}')
+    assert grpo.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint.old")
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "step.json").write_text('{"step": 6}')
+    assert grpo.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")
