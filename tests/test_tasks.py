@@ -116,12 +116,18 @@ def test_chat_template_and_system_prompt():
     assert format_prompt(type("NoChat", (), {"chat_template": None})(), "q", "boxed") == "q"
 
 
-def test_hub_task_offline_fails_fast_with_a_clear_message(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path))
+@pytest.mark.parametrize("offline_env", [
+    {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},  # declared offline
+    {"HF_ENDPOINT": "http://127.0.0.1:9"},  # a hub that cannot be reached (nothing listens on port 9)
+])
+def test_hub_task_offline_fails_fast_with_a_clear_message(tmp_path, offline_env):
+    env = dict(os.environ, HF_HOME=str(tmp_path), **offline_env)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        env.setdefault(key, "0")
     start = time.time()
     out = subprocess.run([sys.executable, "grpo.py", "--task", "gsm8k", "--output_dir", str(tmp_path)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert "could not load task 'gsm8k'" in last and "--task path/to/file.jsonl" in last, last
-    assert time.time() - start < 120
+    assert time.time() - start < 20
