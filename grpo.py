@@ -238,10 +238,12 @@ def load_tokenizer(args):
     return tokenizer
 
 
-def load_model(args, accelerator, tokenizer):
+def load_model(args, accelerator, tokenizer, trainable=True):
+    """The policy keeps float32 master weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16 weights); the
+    frozen reference model is stored in bf16 on GPU."""
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if accelerator.device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" and not trainable else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.config.use_cache = False
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -563,7 +565,7 @@ def main(args):
     model = load_model(args, accelerator, tokenizer)
     ref_model = None
     if args.beta > 0 and not args.eval_only:
-        ref_model = load_model(args, accelerator, tokenizer).eval().requires_grad_(False)
+        ref_model = load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     if ref_model is not None:
