@@ -482,39 +482,52 @@ def find_checkpoint(run_dir):
 
 
 def update_policy(args, model, optimizer, batch, accelerator):
-    """num_epochs passes of num_minibatches optimizer steps; the first mini-batch sees the rollout order unshuffled,
-    so its ratio is exactly 1. Normalizer counts are those of the whole mini-batch over all processes."""
-    world, size = accelerator.num_processes, len(batch["advantages"]) // args.num_minibatches
-    stats, first_ratio_dev = [], None
+    """num_epochs passes of num_minibatches optimizer steps. The first mini-batch sees the rollout order unshuffled,
+    so its ratio is exactly 1. Normalizer counts are those of the whole mini-batch over all processes. Without
+    batch["old_logp"] (one update per batch, mu = 1), pi_old is this forward pass's detached pi_theta, as in verl and
+    TRL, and is written into the batch for the logs: one forward pass saved."""
+    world, n = accelerator.num_processes, len(batch["advantages"])
+    size, reuse = n // args.num_minibatches, "old_logp" not in batch
+    if reuse:
+        batch["old_logp"] = torch.zeros_like(batch["engine_logp"])
+    stats = []
     for epoch in range(args.num_epochs):
-        order = torch.arange(len(batch["advantages"])) if epoch == 0 else torch.randperm(len(batch["advantages"]))
-        for mb_start in range(0, len(order), size):
-            mb = slice_batch(batch, order[mb_start:mb_start + size].to(accelerator.device))
+        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
+        for mb_start in range(0, n, size):
+            mb = slice_batch(batch, order[mb_start:mb_start + size])
             num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
                 float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
             for mc_start in range(0, size, args.micro_batch_size):
-                mc = slice_batch(mb, slice(mc_start, mc_start + args.micro_batch_size))
-                last = mc_start + args.micro_batch_size >= size
-                with contextlib.nullcontext() if last else accelerator.no_sync(model):  # sync gradients once
+                idx = slice(mc_start, mc_start + args.micro_batch_size)
+                mc = slice_batch(mb, idx)
+                with contextlib.nullcontext() if mc_start + args.micro_batch_size >= size else accelerator.no_sync(
+                        model):  # gradients are all-reduced once per mini-batch
                     logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
                                                    args.temperature, with_entropy=True)
+                    old_logp = logp.detach() if reuse else mc["old_logp"]
+                    is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
+                        args.tis_cap > 0) else None
                     loss, mc_stats = compute_loss(
-                        logp, mc["old_logp"], mc["advantages"], mc["completion_mask"], mc.get("ref_logp"),
-                        mc.get("is_weights"), clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
+                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
+                        clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
                         beta=0.0 if args.kl_in_reward else args.beta, kl_estimator=args.kl_estimator,
                         loss_agg=args.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
                     accelerator.backward(loss * world)  # DDP/FSDP average gradients; the normalizers are global
+                if reuse:
+                    batch["old_logp"][order[mb_start:mb_start + size][idx]] = old_logp
                 m = mc["completion_mask"].bool()
                 mc_stats["losses/policy"] = loss.detach() * world
                 mc_stats["losses/entropy"] = entropy[m].mean() if m.any() else entropy.new_tensor(0.0)
-                if first_ratio_dev is None:
-                    first_ratio_dev = (torch.exp(logp.detach() - mc["old_logp"]) - 1).abs()[m].max()
-                stats.append({k: float(v) for k, v in mc_stats.items()})
-            stats[-1]["policy/grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                if epoch == 0 and mb_start == 0:
+                    mc_stats["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1)[m].abs(
+                        ).max() if m.any() else logp.new_tensor(0.0)
+                stats.append(mc_stats)
+            stats[-1]["policy/grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    merged = {k: float((np.max if k.endswith("_max") else np.mean)([s[k] for s in stats if k in s])) for k in stats[-1]}
-    return {**merged, "policy/first_minibatch_ratio_dev_max": float(first_ratio_dev)}
+    keys = {k for s in stats for k in s}  # reduced on the device: one host sync per step, in reduce_metrics
+    return {k: getattr(torch.stack([s[k].float() for s in stats if k in s]), "max" if k.endswith("_max") else "mean")()
+            for k in keys}
 
 
 # ---- Logging --------------------------------------------------------------------------------------------------------
@@ -622,11 +635,12 @@ def main(args):
         golds = [r["answer"] for r in rows for _ in range(G)]
         accuracy, formats, counts = score_completions(texts, golds, args.task, args.answer_format, args.reward_timeout)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        # 3. pi_old (and pi_ref) log-probs recomputed by the trainer; group advantages from every process's rewards.
+        # 3. pi_old (and pi_ref) log-probs from the trainer; group advantages from every process's rewards.
         times["train"] = time.time()
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         mask = batch["completion_mask"]
-        batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        if args.num_epochs * args.num_minibatches > 1 or args.kl_in_reward:  # else update_policy's pass serves
+            batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
         rewards = task_rewards.to(accelerator.device)
         if ref_model is not None:
             batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
@@ -635,8 +649,6 @@ def main(args):
                 rewards = rewards - args.beta * (kl * mask).sum(-1)
         all_rewards = accelerator.gather(rewards)
         batch["advantages"] = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps).view(world, -1)[rank]
-        if args.tis_cap > 0:
-            batch["is_weights"] = torch.exp(batch["old_logp"] - batch["engine_logp"]).clamp(max=args.tis_cap)
         # 4. mu = num_epochs * num_minibatches optimizer steps on this batch.
         train_stats = update_policy(args, model, optimizer, batch, accelerator)
         # 5. Log, evaluate, checkpoint.

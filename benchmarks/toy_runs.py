@@ -12,6 +12,7 @@ ratios against the first variant measured in the same invocation.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ PHASES = ["time/rollout", "time/score", "time/train", "time/step"]
 
 def run(variant, seed, steps, out_dir, extra):
     exp = f"{variant}"
+    shutil.rmtree(os.path.join(out_dir, f"{exp}__{seed}"), ignore_errors=True)  # a fresh run, not a resume
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--exp_name", exp, "--seed", str(seed), "--total_steps",
            str(steps), "--eval_every", str(max(1, steps // 4)), "--output_dir", out_dir, *VARIANTS[variant], *extra]
     start = time.time()
@@ -68,12 +70,14 @@ def main():
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
     name = args.name or "toy_" + "_".join(args.variants)
-    results = [run(v, s, args.steps, args.out_dir, extra) for v in args.variants for s in args.seeds]
+    out_dir = os.path.join(args.out_dir, name)
+    results = [run(v, s, args.steps, out_dir, extra) for v in args.variants for s in args.seeds]
     table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r)} for r in results]
 
     base = [t for t in table if t["variant"] == args.variants[0]]
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
-             f"{' '.join(map(str, args.seeds))} --steps {args.steps}{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             f"{' '.join(map(str, args.seeds))} --steps {args.steps}{' --name ' + args.name if args.name else ''}"
+             f"{' -- ' + ' '.join(extra) if extra else ''}`", "",
              "| variant | seed | reward first 5 | reward last 5 | length first 5 | length last 5 | greedy pass@1 end "
              "| sampled pass@1 end | max logprob gap | median step s | wall s |", "|" + "---|" * 11]
     for t in table:

@@ -73,3 +73,24 @@ def test_stop_tokens_and_truncation():
     samples, _, _ = rollout(model, tokenizer, accelerator, 0.0)  # greedy: no sampling log-probs
     assert all(ids[-1] == tokenizer.eos_token_id and not truncated and lp is None for ids, lp, truncated in samples)
     assert batch["completion_mask"].sum(-1).tolist() == [5.0] * 16
+
+
+def test_single_update_reuses_the_forward_pass_exactly():
+    """mu = 1: taking pi_old from the training forward pass (no separate pass) gives the same update and old_logp."""
+    import copy
+
+    args, accelerator, tokenizer, model = setup()
+    _, batch, old_logp = rollout(model, tokenizer, accelerator, 1.0)
+    batch["advantages"] = torch.linspace(-1, 1, len(batch["input_ids"]))
+    batch["ref_logp"] = old_logp - 0.1
+    updated = []
+    for precomputed in (False, True):
+        policy = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        b = dict(batch, old_logp=old_logp.clone()) if precomputed else dict(batch)
+        stats = grpo.update_policy(args, policy, optimizer, b, accelerator)
+        assert stats["policy/first_minibatch_ratio_dev_max"] == 0
+        assert torch.equal(b["old_logp"] * b["completion_mask"], old_logp * b["completion_mask"])
+        updated.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
+    assert torch.allclose(updated[0], updated[1], atol=1e-7)
+    assert not torch.allclose(updated[0], torch.cat([p.detach().flatten() for p in model.parameters()]))

@@ -57,7 +57,7 @@ def test_bad_input_fails_in_one_line(tmp_path, flags, message):
 def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     """mu = 4 updates per rollout: the first mini-batch is on-policy (ratio exactly 1), later ones are not."""
     proc, rows = run_grpo(["--total_steps", "3", "--num_epochs", "2", "--num_minibatches", "2", "--eval_every", "2",
-                           "--save_every", "2", "--learning_rate", "3e-3", *SMALL], tmp_path)
+                           "--save_every", "2", "--learning_rate", "3e-3", "--tis_cap", "2.0", *SMALL], tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["policy/first_minibatch_ratio_dev_max"] == 0.0
