@@ -53,7 +53,7 @@ class Args:
     model: str = TOY_MODEL_DIR
     """model path or hub id; the default is the embedded tiny model"""
     task: str = "toy"
-    """toy, gsm8k, math, or a local .jsonl/.parquet file (or a folder with train.* and test.*) of {prompt, answer} rows"""
+    """toy, gsm8k, math, or a local .jsonl/.parquet file (or folder with train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
     max_prompt_length: int = 512
@@ -208,16 +208,13 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
         kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
-    with torch.no_grad():
+    with torch.no_grad():  # token statistics (every completion has at least one token)
         m = mask.bool()
-        metrics = {
-            "policy/clip_frac": ((ratio * adv > clipped * adv) & m).float().sum() / m.sum().clamp(min=1),
-            "policy/ratio_mean": ratio[m].mean() if m.any() else ratio.new_tensor(1.0),
-            "policy/ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
-            "policy/approx_kl": ((ratio - 1) - log_ratio)[m].mean() if m.any() else ratio.new_tensor(0.0),
-        }
+        metrics = {"policy/clip_frac": (ratio * adv > clipped * adv)[m].float().mean(),
+                   "policy/ratio_mean": ratio[m].mean(), "policy/ratio_max": ratio[m].max(),
+                   "policy/approx_kl": (ratio - 1 - log_ratio)[m].mean()}
         if beta > 0:
-            metrics["losses/kl"] = kl[m].mean() if m.any() else kl.new_tensor(0.0)
+            metrics["losses/kl"] = kl[m].mean()
     return loss, metrics
 
 
@@ -516,11 +513,10 @@ def update_policy(args, model, optimizer, batch, accelerator):
                 if reuse:
                     batch["old_logp"][order[mb_start:mb_start + size][idx]] = old_logp
                 m = mc["completion_mask"].bool()
-                mc_stats["losses/policy"] = loss.detach() * world
-                mc_stats["losses/entropy"] = entropy[m].mean() if m.any() else entropy.new_tensor(0.0)
+                mc_stats["losses/policy"], mc_stats["losses/entropy"] = loss.detach() * world, entropy[m].mean()
                 if epoch == 0 and mb_start == 0:
-                    mc_stats["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1)[m].abs(
-                        ).max() if m.any() else logp.new_tensor(0.0)
+                    ratio_dev = (torch.exp(logp.detach() - old_logp) - 1)[m].abs().max()
+                    mc_stats["policy/first_minibatch_ratio_dev_max"] = ratio_dev
                 stats.append(mc_stats)
             stats[-1]["policy/grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
