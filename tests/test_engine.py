@@ -94,3 +94,21 @@ def test_single_update_reuses_the_forward_pass_exactly():
         updated.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
     assert torch.allclose(updated[0], updated[1], atol=1e-7)
     assert not torch.allclose(updated[0], torch.cat([p.detach().flatten() for p in model.parameters()]))
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_size_does_not_change_the_update(loss_agg):
+    """Gradient accumulation with global normalizer counts: micro-batches of 2 or 16 give the same gradient."""
+    import copy
+
+    args, accelerator, tokenizer, model = setup(loss_agg=loss_agg, max_grad_norm=1e9)
+    _, batch, old_logp = rollout(model, tokenizer, accelerator, 1.0)
+    batch.update(advantages=torch.linspace(-1, 1, len(batch["input_ids"])), ref_logp=old_logp - 0.1)
+    grads = []
+    for micro in (2, 16):
+        args.micro_batch_size, policy = micro, copy.deepcopy(model)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)  # the update is minus the gradient
+        grpo.update_policy(args, policy, optimizer, dict(batch), accelerator)
+        grads.append(torch.cat([(p0 - p1).detach().flatten() for p0, p1 in zip(model.parameters(), policy.parameters())]))
+    assert grads[0].abs().max() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
