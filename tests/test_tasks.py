@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from utils.tasks import TOY_MODEL_DIR, check_task, format_prompt, load_task, normalize_rows, toy_problems
@@ -131,3 +132,18 @@ def test_hub_task_offline_fails_fast_with_a_clear_message(tmp_path, offline_env)
     last = out.stderr.strip().splitlines()[-1]
     assert "could not load task 'gsm8k'" in last and "--task path/to/file.jsonl" in last, last
     assert time.time() - start < 20
+
+
+def test_toy_model_script_is_deterministic_and_matches_the_shipped_tokenizer(tmp_path):
+    """utils/make_toy_model.py rebuilds the shipped folder (full rebuild: bit-identical on this machine, 20 s)."""
+    from safetensors.torch import load_file
+
+    from utils import make_toy_model
+
+    for name in ("a", "b"):
+        make_toy_model.main(str(tmp_path / name), steps=10)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert open(tmp_path / "a" / "tokenizer.json").read() == open(os.path.join(TOY_MODEL_DIR, "tokenizer.json")).read()
+    shipped = load_file(os.path.join(TOY_MODEL_DIR, "model.safetensors"))
+    assert {k: v.shape for k, v in shipped.items()} == {k: v.shape for k, v in a.items()}
