@@ -260,7 +260,8 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
     completion = input_ids[:, prompt_width:]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when T != 1
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp, None
@@ -534,12 +535,14 @@ CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", 
 
 
 def reduce_metrics(metrics, accelerator):
-    """Average over processes (max for keys ending in _max)."""
+    """Average over processes (max for keys ending in _max): one gather and one host sync per step."""
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], device=accelerator.device)
+    values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=accelerator.device).reshape(())
+                          for k in keys])
     gathered = accelerator.gather(values.unsqueeze(0))
-    return {k: (gathered[:, i].max() if k.endswith("_max") else gathered[:, i].mean()).item()
-            for i, k in enumerate(keys)}
+    reduced = torch.stack([gathered[:, i].max() if k.endswith("_max") else gathered[:, i].mean()
+                           for i, k in enumerate(keys)]).tolist()
+    return dict(zip(keys, reduced))
 
 
 def main(args):
