@@ -19,6 +19,7 @@ eval -> checkpoint. Run `python grpo.py` (embedded tiny model, toy addition task
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import resource
 import shutil
@@ -31,7 +32,7 @@ import torch
 
 from utils.rewards import score_completions
 from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted
-from utils.tasks import TOY_MODEL_DIR, check_task, load_task
+from utils.tasks import TOY_MODEL_DIR, check_model, check_task, is_toy_shaped, load_task
 
 
 @dataclass
@@ -132,25 +133,42 @@ class Args:
     """print a few sample completions every N steps"""
 
 
+# ---- Arguments ------------------------------------------------------------------------------------------------------
+
+
 EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
 REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
+POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
+            "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm", "reward_timeout", "eval_samples",
+            "threads")
+NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature")
 
 
 def resolve_args(args, num_processes=1):
-    """Fill the defaults that depend on the model and check sizes, before any heavy work starts."""
-    defaults = EMBEDDED_DEFAULTS if os.path.abspath(args.model) == TOY_MODEL_DIR else REAL_MODEL_DEFAULTS
+    """Fill the defaults that depend on the model and check every argument before any heavy work starts: the one
+    place where bad input becomes a one-line error that says what to change."""
+    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS  # the toy and models trained from it
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.task == "toy":
         args.answer_format = "answer_tags"
+    for name in POSITIVE:
+        if not getattr(args, name) > 0:  # temperature 0 would divide the trainer's logits by 0 (greedy is for eval)
+            raise ValueError(f"--{name} {getattr(args, name)}: must be > 0")
+    for name in NON_NEGATIVE:
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 0")
+    for name in ("top_p", "eval_top_p"):
+        if not 0 < getattr(args, name) <= 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be in (0, 1]")
+    if args.total_steps < 1 and not args.eval_only:
+        raise ValueError(f"--total_steps {args.total_steps}: must be >= 1 (use --eval_only to only evaluate)")
+    if args.eval_size < 1 and (args.eval_every or args.eval_only):
+        raise ValueError(f"--eval_size {args.eval_size}: must be >= 1, or pass --eval_every 0 to skip evaluation")
     check_task(args.task)
-    if not os.path.isdir(args.model) and (args.model.startswith((".", "/", "~")) or args.model.count("/") > 1):
-        raise ValueError(f"--model {args.model!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct")
-    if args.loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
-    if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
-        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use k2/k3+/k3_is")
+    check_model(args.model)
+    check_algorithm_args(args)
     if args.prompts_per_step % num_processes:
         raise ValueError(f"--prompts_per_step {args.prompts_per_step} must divide by the {num_processes} processes")
     local_batch = args.prompts_per_step // num_processes * args.num_generations
@@ -170,6 +188,21 @@ def check_lengths(args):
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def check_algorithm_args(args):
+    """GRPO's own argument checks (called by resolve_args)."""
+    if args.num_generations < 2:
+        raise ValueError(f"--num_generations {args.num_generations}: GRPO needs groups of >= 2 completions (a group "
+                         "of one has advantage 0 and learns nothing)")
+    if args.beta < 0:
+        raise ValueError(f"--beta {args.beta}: must be >= 0 (0 turns the KL term off)")
+    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0:
+        raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
+    if args.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
+        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use k2/k3+/k3_is")
 
 
 def compute_advantages(rewards, num_generations, scale, eps):
@@ -193,7 +226,8 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
 
     logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
     whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give
-    the mini-batch loss exactly. Returns (loss, metrics of this micro-batch).
+    the mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same global
+    num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean; `maxes` are maxima.
     """
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     num_tokens = mask.sum() if num_tokens is None else num_tokens
@@ -208,14 +242,15 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
         kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
-    with torch.no_grad():  # token statistics (every completion has at least one token)
+    with torch.no_grad():
         m = mask.bool()
-        metrics = {"policy/clip_frac": (ratio * adv > clipped * adv)[m].float().mean(),
-                   "policy/ratio_mean": ratio[m].mean(), "policy/ratio_max": ratio[m].max(),
-                   "policy/approx_kl": (ratio - 1 - log_ratio)[m].mean()}
+        means = {"policy/clip_frac": (ratio * adv > clipped * adv)[m].float().sum() / num_tokens,
+                 "policy/ratio_mean": ratio[m].sum() / num_tokens,
+                 "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
         if beta > 0:
-            metrics["losses/kl"] = kl[m].mean()
-    return loss, metrics
+            means["losses/kl"] = kl[m].sum() / num_tokens
+        maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
+    return loss, means, maxes
 
 
 # ---- Model and tokenizer --------------------------------------------------------------------------------------------
@@ -301,8 +336,9 @@ def create_engine(args, accelerator):
               logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
     if on_gpu:
         llm.sleep(level=args.vllm_sleep_level)
-    # weights_step: the policy step whose weights the engine holds (None: never pushed, or dropped by a level-2 sleep)
-    return {"llm": llm, "weights_step": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
+    # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
+    # level-2 sleep); generate() pushes whenever it differs from the policy's version
+    return {"llm": llm, "weights_version": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
 
 
 def push_weights(engine, model, accelerator):
@@ -315,18 +351,25 @@ def push_weights(engine, model, accelerator):
 
 class RecordSampledLogprobs:
     """HF logits processor, placed after temperature/top-p: keeps log pi_sample of each sampled token (like vLLM's
-    processed_logprobs) without storing all the scores."""
+    processed_logprobs) without storing all the scores.
+
+    generate() calls it with the scores of position t before sampling token t, so token t is only known at the next
+    call (as input_ids[:, -1]): each call gathers the previous position's log-prob, and finish() gathers the last."""
 
     def __init__(self, warpers):
-        self.warpers, self.previous, self.taken = warpers, None, []
+        self.warpers, self.pending_logp, self.taken = warpers, None, []
 
     def __call__(self, input_ids, scores):
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        if self.previous is not None:
-            self.taken.append(self.previous.gather(-1, input_ids[:, -1:]))
-        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        if self.pending_logp is not None:  # the token sampled at the previous call is now input_ids[:, -1]
+            self.taken.append(self.pending_logp.gather(-1, input_ids[:, -1:]))
+        self.pending_logp = torch.log_softmax(scores.float(), dim=-1)
         return scores
+
+    def finish(self, new_tokens):
+        """(B, T) log-probs of the T sampled tokens new_tokens (the last one never came back as an input)."""
+        return torch.cat(self.taken + [self.pending_logp.gather(-1, new_tokens[:, -1:])], dim=1)
 
 
 @torch.no_grad()
@@ -352,9 +395,7 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     finally:
         unwrapped.generation_config = saved
     new = out[:, inputs["input_ids"].shape[1]:]
-    if sampling:
-        recorder.taken.append(recorder.previous.gather(-1, new[:, -1:]))
-        logprobs = torch.cat(recorder.taken, dim=1)
+    logprobs = recorder.finish(new) if sampling else None
     results = []
     for i in range(len(prompt_ids)):
         ids = new[i].tolist()
@@ -364,8 +405,9 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     return results
 
 
-def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, step):
-    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated)."""
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
     llm = engine["llm"]
     if llm is None:
         return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator)
@@ -373,10 +415,10 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
     if engine["asleep"]:
         llm.wake_up(tags=["weights"])
-    if engine["weights_step"] != step:  # the first step always pushes; never generate on stale or dropped weights
+    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
         start = time.time()
         push_weights(engine, model, accelerator)
-        engine["weights_step"], engine["sync_time"] = step, time.time() - start
+        engine["weights_version"], engine["sync_time"] = policy_version, time.time() - start
     if engine["asleep"]:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
         llm.wake_up(tags=["kv_cache"])
@@ -386,7 +428,7 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
     if engine["asleep"]:
         llm.sleep(level=engine["sleep_level"])
         if engine["sleep_level"] == 2:
-            engine["weights_step"] = None
+            engine["weights_version"] = None
     return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0 else
              None, o.finish_reason == "length") for out in outputs for o in out.outputs]
 
@@ -418,7 +460,7 @@ def slice_batch(batch, idx):
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
 
 
-def evaluate(args, engine, model, tokenizer, rows, accelerator, step):
+def evaluate(args, engine, model, tokenizer, rows, accelerator, policy_version):
     """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
     world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
     mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
@@ -428,7 +470,7 @@ def evaluate(args, engine, model, tokenizer, rows, accelerator, step):
         chunk, golds = prompts[start:start + 64], [r["answer"] for r in mine[start:start + 64]]
         for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
             out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
-                           args.max_new_tokens, accelerator, step)
+                           args.max_new_tokens, accelerator, policy_version)
             texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
             acc, _, _ = score_completions(texts, [g for g in golds for _ in range(n)], args.task, args.answer_format,
                                           args.reward_timeout)
@@ -480,122 +522,149 @@ def find_checkpoint(run_dir):
 
 
 def update_policy(args, model, optimizer, batch, accelerator):
-    """num_epochs passes of num_minibatches optimizer steps. The first mini-batch sees the rollout order unshuffled,
-    so its ratio is exactly 1. Normalizer counts are those of the whole mini-batch over all processes. Without
-    batch["old_logp"] (one update per batch, mu = 1), pi_old is this forward pass's detached pi_theta, as in verl and
-    TRL, and is written into the batch for the logs: one forward pass saved."""
-    world, n = accelerator.num_processes, len(batch["advantages"])
-    size, reuse = n // args.num_minibatches, "old_logp" not in batch
-    if reuse:
-        batch["old_logp"] = torch.zeros_like(batch["engine_logp"])
-    stats = []
+    """num_epochs passes of num_minibatches optimizer steps over one rollout batch.
+
+    pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
+    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
+    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
+    count the whole mini-batch over all processes. Returns (the pi_old log-probs the loss used, statistics grouped by
+    how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer step whose
+    loss or gradient norm is not finite, so NaN never reaches the weights.
+    """
+    n = len(batch["advantages"])
+    size = n // args.num_minibatches
+    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
+    sums, maxes, grad_norms = {}, {}, []
     for epoch in range(args.num_epochs):
         order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
         for mb_start in range(0, n, size):
-            mb = slice_batch(batch, order[mb_start:mb_start + size])
+            mb_rows = order[mb_start:mb_start + size]
+            mb = slice_batch(batch, mb_rows)
             num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
                 float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
+            mb_loss = 0.0
             for mc_start in range(0, size, args.micro_batch_size):
-                idx = slice(mc_start, mc_start + args.micro_batch_size)
-                mc = slice_batch(mb, idx)
-                with contextlib.nullcontext() if mc_start + args.micro_batch_size >= size else accelerator.no_sync(
-                        model):  # gradients are all-reduced once per mini-batch
+                mc_rows = slice(mc_start, mc_start + args.micro_batch_size)
+                mc = slice_batch(mb, mc_rows)
+                last_micro_batch = mc_start + args.micro_batch_size >= size
+                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
+                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+                with grad_sync:
                     logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
                                                    args.temperature, with_entropy=True)
-                    old_logp = logp.detach() if reuse else mc["old_logp"]
+                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
                     is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
                         args.tis_cap > 0) else None
-                    loss, mc_stats = compute_loss(
+                    loss, means, mc_maxes = compute_loss(
                         logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
                         clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
                         beta=0.0 if args.kl_in_reward else args.beta, kl_estimator=args.kl_estimator,
                         loss_agg=args.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
-                    accelerator.backward(loss * world)  # DDP/FSDP average gradients; the normalizers are global
-                if reuse:
-                    batch["old_logp"][order[mb_start:mb_start + size][idx]] = old_logp
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                if "old_logp" not in batch:
+                    old_logp_used[mb_rows[mc_rows]] = old_logp
                 m = mc["completion_mask"].bool()
-                mc_stats["losses/policy"], mc_stats["losses/entropy"] = loss.detach() * world, entropy[m].mean()
+                mb_loss = mb_loss + loss.detach()
+                means["losses/policy"], means["losses/entropy"] = loss.detach(), entropy[m].sum() / num_tokens
                 if epoch == 0 and mb_start == 0:
-                    ratio_dev = (torch.exp(logp.detach() - old_logp) - 1)[m].abs().max()
-                    mc_stats["policy/first_minibatch_ratio_dev_max"] = ratio_dev
-                stats.append(mc_stats)
-            stats[-1]["policy/grad_norm"] = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1)[
+                        m].abs().max()
+                for k, v in means.items():
+                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
+                for k, v in mc_maxes.items():
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
+            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm)):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm "
+                                         f"({grad_norm.item():.4g}) in epoch {epoch}, mini-batch {mb_start // size}")
+            grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    keys = {k for s in stats for k in s}  # reduced on the device: one host sync per step, in reduce_metrics
-    return {k: getattr(torch.stack([s[k].float() for s in stats if k in s]), "max" if k.endswith("_max") else "mean")()
-            for k in keys}
+    return old_logp_used, {"sums": sums, "means": {"policy/grad_norm": torch.stack(grad_norms).mean()},
+                           "maxes": maxes}
 
 
 # ---- Logging --------------------------------------------------------------------------------------------------------
 
 
 CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
-                "rollout/logprob_gap_max", "time/step", "eval/pass@1_greedy"]
+                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
 
 
-def reduce_metrics(metrics, accelerator):
-    """Average over processes (max for keys ending in _max): one gather and one host sync per step."""
-    keys = sorted(metrics)
-    values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=accelerator.device).reshape(())
-                          for k in keys])
-    gathered = accelerator.gather(values.unsqueeze(0))
-    reduced = torch.stack([gathered[:, i].max() if k.endswith("_max") else gathered[:, i].mean()
-                           for i, k in enumerate(keys)]).tolist()
-    return dict(zip(keys, reduced))
+def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
+    """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
+    divided by a global count), `means` averaged (values over as many items on every process), `maxes` maxed. One
+    gather and one host sync per step."""
+    groups = [(k, v, "sum") for k, v in dict(sums).items()] + [(k, v, "mean") for k, v in dict(means).items()] + [
+        (k, v, "max") for k, v in dict(maxes).items()]
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
+                          for _, v, _ in groups])
+    gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
+    reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
+    return {k: value for (k, _, _), value in zip(groups, reduced)}
 
 
 def main(args):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm import tqdm
+    from transformers.utils import logging as transformers_logging
 
     torch.set_num_threads(args.threads)
+    transformers_logging.set_verbosity_error()  # no per-save "Removed shared tensor" notes, no loading bars
+    transformers_logging.disable_progress_bar()
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # the tied lm_head is re-tied on load
     on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    checkpoint = find_checkpoint(run_dir)
     # Bad input fails here, in one line, before the models load.
     try:
         args = resolve_args(args, accelerator.num_processes)
+        if checkpoint and not args.resume and not args.eval_only:
+            raise ValueError(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
+        if args.resume and not checkpoint:
+            raise ValueError(f"--resume: {run_dir} has no checkpoint; check --exp_name/--seed, or drop --resume")
         tokenizer = load_tokenizer(args)
         check_lengths(args)
         test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
                                            args.eval_size)
         train_rows, train_counts = ([], {}) if args.eval_only else load_task(
             args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+        if not args.eval_only and len(train_rows) < args.prompts_per_step:
+            raise ValueError(f"only {len(train_rows)} train prompts: lower --prompts_per_step below that")
+        if (args.eval_every or args.eval_only) and len(test_rows) < accelerator.num_processes:
+            raise ValueError(f"{len(test_rows)} test prompts for {accelerator.num_processes} processes: pass "
+                             "--eval_every 0, or a task with more test rows")
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
                       f"train {train_counts}, test {test_counts}; {accelerator.num_processes} process(es)")
-    if not args.eval_only and len(train_rows) < args.prompts_per_step:
-        raise SystemExit(f"error: only {len(train_rows)} train prompts: lower --prompts_per_step below that")
-    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
-    checkpoint = find_checkpoint(run_dir)
-    if checkpoint and not args.resume and not args.eval_only:
-        raise SystemExit(f"error: {run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
     set_seed(args.seed, device_specific=True)
 
     model = load_model(args, accelerator, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
     ref_model = None
     if args.beta > 0 and not args.eval_only:
         ref_model = load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    if ref_model is not None:
         ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
     engine = create_engine(args, accelerator)
 
-    if args.eval_only:
-        result = evaluate(args, engine, model, tokenizer, test_rows, accelerator, step=0)
+    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, test_rows, accelerator, policy_version=0)
         if accelerator.is_main_process:
             os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            with open(os.path.join(run_dir, "eval_only.jsonl"), "a") as f:
                 f.write(json.dumps({"model": args.model, **result}) + "\n")
         accelerator.print(json.dumps(result))
         return result
 
     start_step = 1
-    if args.resume and checkpoint:
+    if args.resume:
         accelerator.load_state(checkpoint)
         with open(os.path.join(checkpoint, "step.json")) as f:
             start_step = json.load(f)["step"] + 1
@@ -603,7 +672,7 @@ def main(args):
     os.makedirs(run_dir, exist_ok=True)
     if accelerator.is_main_process:
         metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        kept = [line for line in open(metrics_path) if json.loads(line)["step"] < start_step] if (
+        kept = [line for line in open(metrics_path) if json.loads(line).get("step", start_step) < start_step] if (
             start_step > 1 and os.path.exists(metrics_path)) else []  # drop steps logged after the checkpoint
         metrics_file = open(metrics_path, "w")
         metrics_file.writelines(kept)
@@ -617,28 +686,32 @@ def main(args):
 
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
     prompts_local = args.prompts_per_step // world
+    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1), or when the KL in
+    # the reward needs it before the update; otherwise update_policy's first forward pass gives it (one pass saved).
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (args.kl_in_reward and args.beta > 0)
     progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                     disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in progress:
         times = {"step": time.time()}
-        # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts.
+        # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
+        #    policy as it is after step - 1 updates.
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
         rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
         times["rollout"] = time.time()
         samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
-                           accelerator, step)
+                           accelerator, policy_version=step - 1)
         # 2. Score: reward = accuracy + w * format.
         times["score"] = time.time()
         texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
         golds = [r["answer"] for r in rows for _ in range(G)]
         accuracy, formats, counts = score_completions(texts, golds, args.task, args.answer_format, args.reward_timeout)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        # 3. pi_old (and pi_ref) log-probs from the trainer; group advantages from every process's rewards.
+        # 3. pi_old (if needed) and pi_ref log-probs from the trainer; group advantages from every process's rewards.
         times["train"] = time.time()
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         mask = batch["completion_mask"]
-        if args.num_epochs * args.num_minibatches > 1 or args.kl_in_reward:  # else update_policy's pass serves
+        if old_logp_pass:
             batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
         rewards = task_rewards.to(accelerator.device)
         if ref_model is not None:
@@ -648,29 +721,37 @@ def main(args):
                 rewards = rewards - args.beta * (kl * mask).sum(-1)
         all_rewards = accelerator.gather(rewards)
         batch["advantages"] = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps).view(world, -1)[rank]
-        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch.
-        train_stats = update_policy(args, model, optimizer, batch, accelerator)
+        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
+        try:
+            old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                             f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        gap = (batch["engine_logp"] - batch["old_logp"]).abs()[mask.bool()]
+        gap = (batch["engine_logp"] - old_logp).abs() * mask
+        num_tokens = accelerator.reduce(mask.sum(), reduction="sum")
         lengths = mask.sum(-1)
         now = time.time()
-        metrics = reduce_metrics({
-            **train_stats, "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
+        metrics = reduce_metrics(accelerator, sums={
+            **train_stats["sums"], "rollout/logprob_gap_mean": gap.sum() / num_tokens,
+            "charts/reward_timeouts": counts["timeouts"],
+        }, means={
+            **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
             "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
-            "charts/completion_length_max": lengths.max(), "charts/truncated_frac": np.mean([t for *_, t in samples]),
-            "charts/no_answer_frac": counts["no_answer"] / len(samples), "charts/reward_timeouts": counts["timeouts"],
-            "rollout/logprob_gap_mean": gap.mean() if len(gap) else 0.0,
-            "rollout/logprob_gap_max": gap.max() if len(gap) else 0.0,
+            "charts/truncated_frac": np.mean([t for *_, t in samples]),
+            "charts/no_answer_frac": counts["no_answer"] / len(samples),
             "rollout/tokens_per_s": mask.sum() / (times["score"] - times["rollout"]),
             "time/rollout": times["score"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
             "time/score": times["train"] - times["score"], "time/train": now - times["train"],
             "time/step": now - times["step"],
+        }, maxes={
+            **train_stats["maxes"], "charts/completion_length_max": lengths.max(), "rollout/logprob_gap_max": gap.max(),
             "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30} if on_gpu else {}),
-        }, accelerator)
+        })
         metrics["charts/reward_std"] = all_rewards.std().item()
         if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
-            metrics.update(evaluate(args, engine, model, tokenizer, test_rows, accelerator, step + 1))
+            metrics.update(evaluate(args, engine, model, tokenizer, test_rows, accelerator, policy_version=step))
             metrics["time/eval"] = time.time() - now
         metrics["step"] = step
         if accelerator.is_main_process:
@@ -678,11 +759,14 @@ def main(args):
             metrics_file.flush()
             if args.track:
                 wandb.log(metrics, step=step)
-            progress.write(f"step {step}" + "".join(f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS
-                                                    if k in metrics))
+            progress.write(f"step {step}/{args.total_steps}" + "".join(
+                f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics) +
+                f" ({metrics['time/step']:.2f} s)")
             if args.log_completions_every and step % args.log_completions_every == 0:
-                for text, gold, r in list(zip(texts, golds, task_rewards.tolist()))[:: max(1, len(texts) // 3)][:3]:
-                    progress.write(f"  [reward {r:.2f} | gold {gold}] {text[-200:]!r}")
+                shown = range(0, len(texts), max(1, len(texts) // 3))[:3]
+                for i in shown:
+                    progress.write(f"  {rows[i // G]['question'][-100:]!r} -> {texts[i][-200:]!r} "
+                                   f"[gold {golds[i]}, reward {task_rewards[i]:.2f}]")
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))

@@ -16,7 +16,7 @@ PHASES = ["time/rollout", "time/weight_sync", "time/score", "time/train"]
 
 
 def summarize(path, skip):
-    rows = [json.loads(line) for line in open(path)][skip:]
+    rows = [row for row in map(json.loads, open(path)) if "step" in row][skip:]  # training steps only
     if not rows:
         raise SystemExit(f"{path}: no steps after skipping {skip}")
     median = {k: float(np.median([r.get(k, 0.0) for r in rows])) for k in PHASES + ["time/step", "rollout/tokens_per_s"]}

@@ -28,7 +28,7 @@ def rollout(model, tokenizer, accelerator, temperature, n=4, max_new_tokens=48):
     torch.manual_seed(0)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     samples = grpo.generate({"llm": None}, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens,
-                            accelerator, step=1)
+                            accelerator, policy_version=1)
     batch = grpo.make_batch([p for p in prompts for _ in range(n)], samples, tokenizer.pad_token_id, "cpu")
     return samples, batch, grpo.batched_logprobs(model, batch, temperature, micro_batch_size=5)
 
@@ -88,9 +88,9 @@ def test_single_update_reuses_the_forward_pass_exactly():
         policy = copy.deepcopy(model)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         b = dict(batch, old_logp=old_logp.clone()) if precomputed else dict(batch)
-        stats = grpo.update_policy(args, policy, optimizer, b, accelerator)
-        assert stats["policy/first_minibatch_ratio_dev_max"] == 0
-        assert torch.equal(b["old_logp"] * b["completion_mask"], old_logp * b["completion_mask"])
+        used, stats = grpo.update_policy(args, policy, optimizer, b, accelerator)
+        assert stats["maxes"]["policy/first_minibatch_ratio_dev_max"] == 0
+        assert torch.equal(used * b["completion_mask"], old_logp * b["completion_mask"])
         updated.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
     assert torch.allclose(updated[0], updated[1], atol=1e-7)
     assert not torch.allclose(updated[0], torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -112,3 +112,48 @@ def test_micro_batch_size_does_not_change_the_update(loss_agg):
         grads.append(torch.cat([(p0 - p1).detach().flatten() for p0, p1 in zip(model.parameters(), policy.parameters())]))
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean"])
+def test_logged_statistics_are_exact_over_the_mini_batch(loss_agg):
+    """Every statistic update_policy logs equals the one computed on the whole mini-batch at once, whatever the
+    micro-batch size: the loss (it was logged divided by the number of micro-batches) and the token-weighted means
+    (they were means of per-micro-batch means)."""
+    import copy
+
+    args, accelerator, tokenizer, model = setup(loss_agg=loss_agg)
+    _, batch, old_logp = rollout(model, tokenizer, accelerator, 1.0)
+    torch.manual_seed(1)  # off-policy, so clip fraction, ratio and approx KL are not trivially 0 or 1
+    batch.update(advantages=torch.linspace(-1, 1, len(batch["input_ids"])), ref_logp=old_logp - 0.1,
+                 old_logp=old_logp - 0.3 * torch.rand_like(old_logp))
+    with torch.no_grad():
+        logp, entropy = grpo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["prompt_width"],
+                                            1.0, with_entropy=True)
+        loss, means, maxes = grpo.compute_loss(logp, batch["old_logp"], batch["advantages"], batch["completion_mask"],
+                                               batch["ref_logp"], beta=args.beta, loss_agg=loss_agg)
+    mask = batch["completion_mask"].bool()
+    expected = {**means, "losses/policy": loss, "losses/entropy": entropy[mask].mean()}
+    assert 0 < expected["policy/clip_frac"] < 1
+    for micro in (2, 4, 16):
+        args.micro_batch_size = micro
+        _, stats = grpo.update_policy(args, copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0),
+                                      dict(batch), accelerator)
+        for key, value in expected.items():
+            assert stats["sums"][key].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), (micro, key)
+        assert stats["maxes"]["policy/ratio_max"].item() == pytest.approx(maxes["policy/ratio_max"].item(), rel=1e-6)
+
+
+def test_a_non_finite_loss_stops_before_the_optimizer_step():
+    import copy
+
+    args, accelerator, tokenizer, model = setup()
+    _, batch, _ = rollout(model, tokenizer, accelerator, 1.0)
+    batch["advantages"] = torch.linspace(-1, 1, len(batch["input_ids"]))
+    batch["advantages"][3] = float("nan")
+    batch["ref_logp"] = batch["engine_logp"]
+    policy = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        grpo.update_policy(args, policy, optimizer, batch, accelerator)
+    for p0, p1 in zip(model.parameters(), policy.parameters()):
+        assert torch.equal(p0, p1)  # the NaN never reached the weights

@@ -4,11 +4,14 @@ the --help text, and the learning check (the reward rises)."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import torch
 
 import grpo
 from tests.helpers import ROOT, SMALL, run_grpo
@@ -37,6 +40,34 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     real = grpo.resolve_args(grpo.Args(model=str(tmp_path), task="gsm8k"))
     assert real.learning_rate == 1e-6 and real.max_new_tokens == 1024 and real.answer_format == "boxed"
     assert grpo.resolve_args(grpo.Args(model=str(tmp_path), learning_rate=3e-6)).learning_rate == 3e-6
+    shutil.copytree(grpo.TOY_MODEL_DIR, tmp_path / "trained_from_the_toy")  # e.g. runs/grpo__1/final: same shape
+    trained = grpo.resolve_args(grpo.Args(model=str(tmp_path / "trained_from_the_toy")))
+    assert trained.learning_rate == 5e-4 and trained.max_new_tokens == 48
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"temperature": 0.0}, "--temperature 0.0: must be > 0"),
+    ({"num_generations": 0}, "--num_generations 0: must be > 0"),
+    ({"num_generations": 1}, "GRPO needs groups of >= 2"),
+    ({"prompts_per_step": 0}, "--prompts_per_step 0: must be > 0"),
+    ({"micro_batch_size": 0}, "--micro_batch_size 0: must be > 0"),
+    ({"num_minibatches": 0}, "--num_minibatches 0: must be > 0"),
+    ({"learning_rate": -1.0}, "--learning_rate -1.0: must be > 0"),
+    ({"max_new_tokens": 0}, "--max_new_tokens 0: must be > 0"),
+    ({"total_steps": 0}, "--total_steps 0: must be >= 1"),
+    ({"beta": -1.0}, "--beta -1.0: must be >= 0"),
+    ({"eval_size": 0}, "--eval_every 0 to skip evaluation"),
+    ({"top_p": 0.0}, "must be in (0, 1]"),
+    ({"model": "/no/such/model"}, "neither a local folder nor a hub id"),
+    ({"model": "a/b/c"}, "neither a local folder nor a hub id"),
+])
+def test_every_bad_argument_is_caught_before_heavy_work(overrides, message):
+    with pytest.raises(ValueError) as error:
+        grpo.resolve_args(grpo.Args(**overrides))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+    assert grpo.resolve_args(grpo.Args(total_steps=0, eval_only=True)).total_steps == 0  # eval-only trains nothing
+    assert grpo.resolve_args(grpo.Args(eval_size=0, eval_every=0)).eval_size == 0
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -46,12 +77,26 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     (["--beta", "0.1", "--kl_estimator", "k1"], "zero expected gradient"),
     (["--loss_agg", "sum"], "use one of"),
     (["--max_new_tokens", "1000"], "exceeds the model's 1024 positions"),
+    (["--temperature", "0"], "--temperature 0.0: must be > 0"),
+    (["--prompts_per_step", "0"], "--prompts_per_step 0: must be > 0"),
+    (["--resume"], "has no checkpoint"),
 ])
 def test_bad_input_fails_in_one_line(tmp_path, flags, message):
     proc, _ = run_grpo(flags, tmp_path, check=False, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+def test_unknown_hub_model_offline_fails_fast(tmp_path):
+    """A hub id that is not cached, with the hub unreachable: one line in seconds (it was ~55 s of retries)."""
+    env = dict(os.environ, HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_OFFLINE="0")
+    start = time.time()
+    proc = subprocess.run([sys.executable, "grpo.py", "--model", "NoSuchOrg/no-such-model", "--output_dir",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "not in the local cache" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert time.time() - start < 20
 
 
 def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
@@ -70,13 +115,46 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     run_dir = tmp_path / "grpo__1"
     assert (run_dir / "checkpoint" / "step.json").exists() and (run_dir / "final" / "model.safetensors").exists()
     assert not (run_dir / "checkpoint.tmp").exists()
-    assert "[reward" in proc.stdout  # sample completions are printed
-    # eval-only on the saved model
+    assert "[gold" in proc.stdout and "'07+45=' ->" not in proc.stdout  # samples show their prompt, gold, reward
+    assert proc.stdout.count("step 3/3 ") == 1
+    noise = proc.stdout + proc.stderr
+    assert "Removed shared tensor" not in noise and "Loading weights" not in noise
+    assert not (run_dir / "checkpoint" / "model_1.safetensors").exists()  # the frozen reference is not saved
+    assert (run_dir / "checkpoint" / "model.safetensors").exists()
+    # the README's eval-only command on the run's own folder: results go to eval_only.jsonl, metrics stay as they were
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
     proc, _ = run_grpo(["--model", str(run_dir / "final"), "--eval_only", "--eval_size", "16", "--eval_samples", "2",
-                        "--exp_name", "eval", "--max_new_tokens", "48", "--max_prompt_length", "64"], tmp_path)
+                        "--max_new_tokens", "48", "--max_prompt_length", "64"], tmp_path)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["eval/problems"] == 16 and 0 <= result["eval/pass@1_greedy"] <= 1
-    assert json.loads(open(tmp_path / "eval__1" / "metrics.jsonl").read())["eval/problems"] == 16
+    assert json.loads((run_dir / "eval_only.jsonl").read_text())["eval/problems"] == 16
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+    # ... and the run still resumes (it crashed on the eval row before)
+    _, rows = run_grpo(["--total_steps", "4", "--num_epochs", "2", "--num_minibatches", "2", "--eval_every", "0",
+                        "--resume", *SMALL], tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    """A NaN injected into the advantages of step 3: exit with one line naming the step, before the optimizer step;
+    the step-2 checkpoint is intact and no final/ is written."""
+    from safetensors.torch import load_file
+
+    inject = ("import sys, torch, tyro, grpo; sys.argv = sys.argv[1:]; real = grpo.compute_advantages; calls = []\n"
+              "def nan_at_step_3(*a, **k):\n"
+              "    calls.append(1); adv = real(*a, **k)\n"
+              "    return adv * float('nan') if len(calls) == 3 else adv\n"
+              "grpo.compute_advantages = nan_at_step_3; grpo.main(tyro.cli(grpo.Args))")
+    proc, rows = run_grpo(["--total_steps", "4", "--save_every", "1", "--eval_every", "0", *SMALL], tmp_path,
+                          launcher=(sys.executable, "-c", inject), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 3: non-finite loss") and "last checkpoint" in last, last
+    run_dir = tmp_path / "grpo__1"
+    assert json.loads((run_dir / "checkpoint" / "step.json").read_text())["step"] == 2
+    weights = load_file(run_dir / "checkpoint" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not (run_dir / "final").exists() and [r["step"] for r in rows] == [1, 2]
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path):

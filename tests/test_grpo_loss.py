@@ -38,7 +38,7 @@ def random_batch(seed, B=5, T=6, spread=0.3):
 @pytest.mark.parametrize("eps_low, eps_high, beta", [(0.2, 0.2, 0.04), (0.2, 0.28, 0.0), (0.1, 0.3, 0.5)])
 def test_loss_and_gradient_match_per_sample_reference(seed, eps_low, eps_high, beta):
     logp, old, ref, adv, mask = random_batch(seed)
-    loss, _ = compute_loss(logp, old, adv, mask, ref, clip_eps_low=eps_low, clip_eps_high=eps_high, beta=beta,
+    loss, _, _ = compute_loss(logp, old, adv, mask, ref, clip_eps_low=eps_low, clip_eps_high=eps_high, beta=beta,
                            kl_estimator="k3", loss_agg="seq-mean-token-mean")
     (grad,) = torch.autograd.grad(loss, logp)
     expected = reference_grpo_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta)
@@ -54,7 +54,7 @@ def test_on_policy_identity_and_gradient_by_hand():
     mask = (torch.arange(4)[None] < lengths[:, None]).float()
     old = -torch.rand(4, 4)
     logp = old.clone().requires_grad_(True)
-    loss, metrics = compute_loss(logp, old, adv, mask)
+    loss, metrics, maxes = compute_loss(logp, old, adv, mask)
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
     assert metrics["policy/ratio_mean"].item() == 1.0 and metrics["policy/clip_frac"].item() == 0.0
@@ -74,7 +74,7 @@ def test_on_policy_identity_and_gradient_by_hand():
 def test_off_policy_clipping(ratio, adv, eps_high, loss_value, grad_flows):
     old = torch.tensor([[-1.0]])
     logp = (old + math.log(ratio)).requires_grad_(True)
-    loss, metrics = compute_loss(logp, old, torch.tensor([adv]), torch.ones(1, 1), clip_eps_high=eps_high)
+    loss, metrics, maxes = compute_loss(logp, old, torch.tensor([adv]), torch.ones(1, 1), clip_eps_high=eps_high)
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(loss_value, abs=1e-5)
     assert (grad.abs().item() > 0) == grad_flows
@@ -93,7 +93,7 @@ def test_aggregation_modes_weight_tokens_as_documented(mode, per_token_weight):
     old = torch.zeros(3, 6)
     logp = old.clone().requires_grad_(True)
     adv = torch.tensor([1.0, 1.0, 1.0])
-    loss, _ = compute_loss(logp, old, adv, mask, loss_agg=mode, max_len=8)
+    loss, _, _ = compute_loss(logp, old, adv, mask, loss_agg=mode, max_len=8)
     (grad,) = torch.autograd.grad(loss, logp)
     for i, n in enumerate(lengths.tolist()):
         assert grad[i, 0].item() == pytest.approx(-per_token_weight(n, 3, 10, 8), rel=1e-6)
@@ -106,7 +106,7 @@ def test_kl_estimators_in_the_loss(estimator, reverse_kl):
     ref = torch.tensor([[-1.5, -1.0, -3.0]])
     logp = old.clone().requires_grad_(True)
     beta = 0.5
-    loss, metrics = compute_loss(logp, old, torch.zeros(1), torch.ones(1, 3), ref, beta=beta, kl_estimator=estimator,
+    loss, metrics, maxes = compute_loss(logp, old, torch.zeros(1), torch.ones(1, 3), ref, beta=beta, kl_estimator=estimator,
                                  loss_agg="seq-mean-token-sum")
     (grad,) = torch.autograd.grad(loss, logp)
     delta = old - ref
@@ -121,7 +121,7 @@ def test_k3_importance_weighted_is_differentiable_through_the_ratio():
     old = torch.tensor([[-1.2]])
     ref = torch.tensor([[-1.5]])
     logp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, _ = compute_loss(logp, old, torch.zeros(1), torch.ones(1, 1), ref, beta=1.0, kl_estimator="k3_is")
+    loss, _, _ = compute_loss(logp, old, torch.zeros(1), torch.ones(1, 1), ref, beta=1.0, kl_estimator="k3_is")
     (grad,) = torch.autograd.grad(loss, logp)
     rho, x = math.exp(-1.0 + 1.2), -1.5 + 1.0
     k3 = math.exp(x) - x - 1
@@ -133,7 +133,7 @@ def test_truncated_importance_weights_scale_the_policy_term():
     logp = old.clone().requires_grad_(True)
     weights = torch.tensor([[0.5, 2.0], [1.0, 1.0]])
     adv = torch.tensor([1.0, -1.0])
-    loss, _ = compute_loss(logp, old, adv, torch.ones(2, 2), is_weights=weights, loss_agg="token-mean")
+    loss, _, _ = compute_loss(logp, old, adv, torch.ones(2, 2), is_weights=weights, loss_agg="token-mean")
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(grad, -(weights * adv[:, None]) / 4)
 

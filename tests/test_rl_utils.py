@@ -116,3 +116,25 @@ def test_aggregation_micro_batch_invariance(mode):
     if mode == "token-mean":
         wrong = sum(aggregate_loss(x[i:i + 2] ** 2, mask[i:i + 2], mode, 2, mask[i:i + 2].sum()) for i in range(0, 6, 2)) / 3
         assert not torch.allclose(torch.autograd.grad(wrong, x)[0], full, atol=1e-4)
+
+
+@pytest.mark.parametrize("value, size", [(0.1, 8), (1.1, 12), (0.1, 3), (1 / 3, 7)])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_all_equal_group_gets_exactly_zero_advantage(value, size, scale):
+    """float32: the mean of 8 x 0.1 is 1 ulp off, and / (std 0 + 1e-6) made it -0.00745 (12 x 1.1: 0.106)."""
+    rewards = torch.tensor([[value] * size, [0.0] + [1.0] * (size - 1)], dtype=torch.float32)
+    adv = group_advantages(rewards, scale, 1e-6)
+    assert adv[0].tolist() == [0.0] * size
+    assert adv[1].abs().sum() > 0
+
+
+def test_masked_whiten_single_token_is_finite():
+    values, mask = T([[3.0, 7.0, 1.0]]), T([[0.0, 1.0, 0.0]])
+    for unbiased in (True, False):
+        out = masked_whiten(values, mask, unbiased=unbiased)
+        assert torch.isfinite(out).all() and out[0, 1].item() == 0.0
+
+
+def test_sum_norm_aggregation_without_max_len_says_so():
+    with pytest.raises(ValueError, match="needs max_len"):
+        aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", 3, MASK.sum())

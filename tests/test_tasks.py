@@ -44,7 +44,7 @@ def test_toy_split_is_disjoint_and_complete():
     train, test = toy_problems("train"), toy_problems("test")
     assert len(train) == 9500 and len(test) == 500
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
-    assert {"prompt": "07+45=", "answer": "052"} in train + test
+    assert {"prompt": "07+45=", "question": "07+45=", "answer": "052"} in train + test
 
 
 def test_tokenizer_round_trips(tokenizer):
@@ -62,7 +62,8 @@ def test_gsm8k_shaped_folder(tmp_path, tokenizer, writer, ext):
     writer(tmp_path / f"test.{ext}", GSM8K_ROWS[15:])
     rows, counts = load_task(str(tmp_path), "train", tokenizer)
     assert len(rows) == 15 and counts == {"dropped_gold": 0, "dropped_long": 0}
-    assert rows[0] == {"prompt": GSM8K_ROWS[0]["question"], "answer": "1991"}  # after '####', commas removed
+    q = GSM8K_ROWS[0]["question"]
+    assert rows[0] == {"prompt": q, "question": q, "answer": "1991"}  # after '####', commas removed
     assert len(load_task(str(tmp_path), "test", tokenizer)[0]) == 5
 
 

@@ -31,19 +31,19 @@ model = grpo.load_model(args, accelerator, tokenizer).eval()
 engine = grpo.create_engine(args, accelerator)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 
-def gap(step):
-    samples = grpo.generate(engine, model, tokenizer, prompts, 4, 1.0, 1.0, 48, accelerator, step)
+def gap(policy_version):
+    samples = grpo.generate(engine, model, tokenizer, prompts, 4, 1.0, 1.0, 48, accelerator, policy_version)
     batch = grpo.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
     trainer = grpo.batched_logprobs(model, batch, 1.0, 8)
     mask = batch["completion_mask"].bool()
     return (batch["engine_logp"] - trainer).abs()[mask].max().item()
 
-first = gap(1)  # the first step always pushes
+first = gap(1)  # the first call always pushes
 with torch.no_grad():
     for p in model.parameters():
         p.add_(0.05 * torch.randn_like(p))
-stale = gap(1)  # same step: the engine keeps its old weights
-pushed = gap(2)  # a new step pushes
+stale = gap(1)  # same version: the engine keeps its old weights
+pushed = gap(2)  # a new version pushes
 print(json.dumps({"first": first, "stale": stale, "pushed": pushed}))
 """
 

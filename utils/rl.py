@@ -48,9 +48,11 @@ def group_advantages(rewards, scale="group", eps=1e-6):
 
     scale="group": (R - mean_G) / (std_G + eps), GRPO; "batch": (R - mean_G) / (std_batch + eps), Lite PPO;
     "none": R - mean_G, Dr. GRPO. The std is the unbiased (Bessel) one, as in verl, TRL and OpenRLHF. A group of
-    equal rewards gets advantage 0 exactly.
+    equal rewards gets advantage 0 exactly: the float32 mean of equal values can be 1 ulp off, and dividing that by
+    std + eps (std 0) would push every completion of an all-wrong group down a little each step.
     """
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    all_equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    centered = torch.where(all_equal, 0.0, rewards - rewards.mean(dim=1, keepdim=True))
     if scale == "none":
         return centered
     if scale == "group":
@@ -66,12 +68,13 @@ def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8):
     """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
 
     unbiased=True applies Bessel's correction on the token count (verl masked_whiten); False is OpenRLHF's population
-    variance. shift_mean=False only scales (reward whitening in lm-human-preferences).
+    variance. shift_mean=False only scales (reward whitening in lm-human-preferences). A single valid token has
+    variance 0 (no Bessel correction on a count of 1): it whitens to 0, not NaN.
     """
     mask = mask.to(values.dtype)
     count = mask.sum()
     mean = (values * mask).sum() / count
-    var = (((values - mean) * mask) ** 2).sum() / (count - 1 if unbiased else count)
+    var = (((values - mean) * mask) ** 2).sum() / ((count - 1).clamp(min=1) if unbiased else count)
     whitened = (values - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -100,5 +103,8 @@ def aggregate_loss(per_token, mask, mode, num_seqs, num_tokens, max_len=None):
     if mode == "seq-mean-token-sum":
         return masked.sum() / num_seqs
     if mode == "seq-mean-token-sum-norm":
+        if max_len is None:
+            raise ValueError("loss aggregation seq-mean-token-sum-norm needs max_len (Dr. GRPO's constant: the "
+                             "generation budget, max_new_tokens)")
         return masked.sum() / (num_seqs * max_len)
     raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGGREGATIONS}")

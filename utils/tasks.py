@@ -9,6 +9,7 @@
 """
 
 import glob
+import json
 import os
 import socket
 
@@ -33,7 +34,35 @@ def toy_problems(split):
     """All 10,000 zero-padded a+b problems, 500 held out for evaluation by a fixed permutation."""
     order = np.random.default_rng(1234).permutation(10_000)
     chosen = order[:500] if split == "test" else order[500:]
-    return [{"prompt": f"{i // 100:02d}+{i % 100:02d}=", "answer": f"{i // 100 + i % 100:03d}"} for i in sorted(chosen)]
+    prompts = [(f"{i // 100:02d}+{i % 100:02d}=", f"{i // 100 + i % 100:03d}") for i in sorted(chosen)]
+    return [{"prompt": prompt, "question": prompt, "answer": answer} for prompt, answer in prompts]
+
+
+def is_toy_shaped(model):
+    """The embedded model, or a model trained from it (same architecture and vocabulary): it gets the toy's defaults."""
+    config = os.path.join(model, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f, open(os.path.join(TOY_MODEL_DIR, "config.json")) as g:
+        mine, toy = json.load(f), json.load(g)
+    return all(mine.get(k) == toy[k] for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"))
+
+
+def check_model(model):
+    """Fail fast on a model that is neither a local folder nor a hub id that can be loaded now. Offline, a hub id must
+    be in the local cache (then the hub is not asked at all: its retries take ~55 s before failing)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if os.path.isdir(model):
+        return
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"--model {model!r} is neither a local folder nor a hub id like Qwen/Qwen2.5-0.5B-Instruct")
+    if not constants.HF_HUB_OFFLINE and _hub_reachable():
+        return
+    if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+        raise ValueError(f"--model {model!r}: the hub is unreachable and the model is not in the local cache; pass a "
+                         "local model folder")
+    constants.HF_HUB_OFFLINE = True  # load from the cache without asking the hub
 
 
 def check_task(task):
@@ -72,17 +101,38 @@ def _load_split(task, split):
     import datasets
     from huggingface_hub import constants
 
+    files = [] if task in HUB_TASKS else _local_files(task, split)
+    for path in files:
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"task file {path!r} is empty")  # datasets would say StopIteration
     try:
         if task in HUB_TASKS:
             if not _hub_reachable():  # use the local cache only: otherwise retries take ~25 s before failing
                 constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
             path, config, hub_split = HUB_TASKS[task][split == "test"]
             return datasets.load_dataset(path, config, split=hub_split)
-        files = _local_files(task, split)
         return datasets.load_dataset(DATA_EXTENSIONS[os.path.splitext(files[0])[1]], data_files=files, split="train")
     except Exception as e:  # no network, no cache, bad file: one line that says what to do
+        for path in files:
+            _find_bad_jsonl_line(path)
         where = "a local copy: --task path/to/file.jsonl (fields prompt, answer)" if task in HUB_TASKS else "the file"
         raise ValueError(f"could not load task {task!r} ({type(e).__name__}: {str(e)[:200]}); check {where}") from e
+
+
+def _find_bad_jsonl_line(path):
+    """After a failed load: name the first line of a JSONL file that is not a JSON object (datasets does not)."""
+    if os.path.splitext(path)[1] != ".jsonl":
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"task file {path!r}, line {number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"task file {path!r}, line {number}: expected a JSON object, got {type(row).__name__}")
 
 
 def _gold(answer_text, field):
@@ -119,15 +169,19 @@ def format_prompt(tokenizer, question, answer_format):
 
 
 def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500):
-    """Rows {"prompt" (formatted text), "answer"} and counts {"dropped_gold", "dropped_long"}.
+    """Rows {"prompt" (formatted text), "question" (as in the data), "answer"} and counts {"dropped_gold", "dropped_long"}.
 
-    A single local file has no test split: its last `eval_size` rows are held out for evaluation.
+    A single local file has no test split: its last 10 % of rows (at least one, at most `eval_size`) are held out.
     """
     if task == "toy":
         return toy_problems(split), {"dropped_gold": 0, "dropped_long": 0}
     data = _load_split(task, split)
+    if len(data) == 0:
+        raise ValueError(f"task {task!r} has no {split} rows")
     if os.path.isfile(task):
-        n_test = min(eval_size, len(data) // 10) if len(data) >= 10 else 0
+        if len(data) < 2:
+            raise ValueError(f"task file {task!r} has {len(data)} row(s): it needs at least 2 (train and test)")
+        n_test = min(max(eval_size, 1), max(len(data) // 10, 1))
         cut = len(data) - n_test
         data = data.select(range(cut, len(data)) if split == "test" else range(cut))
     rows, dropped_gold = normalize_rows(data, task)
@@ -135,5 +189,5 @@ def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=5
     for row in rows:
         prompt = format_prompt(tokenizer, row["prompt"], answer_format)
         if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_length:
-            kept.append({"prompt": prompt, "answer": row["answer"]})
+            kept.append({"prompt": prompt, "question": row["prompt"], "answer": row["answer"]})
     return kept, {"dropped_gold": dropped_gold, "dropped_long": len(rows) - len(kept)}
