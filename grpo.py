@@ -30,7 +30,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from utils.rewards import score_completions
+from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted
 from utils.tasks import TOY_MODEL_DIR, check_model, check_task, is_toy_shaped, load_task
 
@@ -109,7 +109,11 @@ class Args:
     format_reward_weight: float = 0.1
     """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
     reward_timeout: float = 5.0
-    """seconds one completion's math check may take before it scores 0"""
+    """seconds one answer's math check may take before its worker is killed and it scores 0"""
+    reward_workers: int = 0
+    """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
+    reward_memory_mb: int = 1024
+    """memory one math-verify worker may add before its check fails (scores 0, counted)"""
     tis_cap: float = 0.0
     """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
     # evaluation and checkpoints
@@ -141,7 +145,8 @@ REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
 POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
             "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm", "reward_timeout", "eval_samples",
             "threads")
-NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature")
+NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature", "reward_workers",
+                "reward_memory_mb")
 
 
 def resolve_args(args, num_processes=1):
@@ -460,7 +465,7 @@ def slice_batch(batch, idx):
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
 
 
-def evaluate(args, engine, model, tokenizer, rows, accelerator, policy_version):
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
     """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
     world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
     mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
@@ -472,8 +477,7 @@ def evaluate(args, engine, model, tokenizer, rows, accelerator, policy_version):
             out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
                            args.max_new_tokens, accelerator, policy_version)
             texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
-            acc, _, _ = score_completions(texts, [g for g in golds for _ in range(n)], args.task, args.answer_format,
-                                          args.reward_timeout)
+            acc, _, _ = scorer.result(scorer.submit(texts, [g for g in golds for _ in range(n)]))
             totals[column] += sum(acc) / n
         totals[2] += len(chunk)
     totals = accelerator.reduce(totals, reduction="sum")
@@ -642,6 +646,9 @@ def main(args):
     accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
                       f"train {train_counts}, test {test_counts}; {accelerator.num_processes} process(es)")
     set_seed(args.seed, device_specific=True)
+    # The reward workers start now, before the models and the engine: they warm up while those load.
+    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
+                          args.reward_timeout, args.reward_memory_mb)
 
     model = load_model(args, accelerator, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -655,12 +662,13 @@ def main(args):
     engine = create_engine(args, accelerator)
 
     if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
-        result = evaluate(args, engine, model, tokenizer, test_rows, accelerator, policy_version=0)
+        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
         if accelerator.is_main_process:
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "eval_only.jsonl"), "a") as f:
                 f.write(json.dumps({"model": args.model, **result}) + "\n")
         accelerator.print(json.dumps(result))
+        scorer.close()
         return result
 
     start_step = 1
@@ -701,21 +709,22 @@ def main(args):
         times["rollout"] = time.time()
         samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
                            accelerator, policy_version=step - 1)
-        # 2. Score: reward = accuracy + w * format.
-        times["score"] = time.time()
+        # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
+        times["train"] = time.time()
         texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
         golds = [r["answer"] for r in rows for _ in range(G)]
-        accuracy, formats, counts = score_completions(texts, golds, args.task, args.answer_format, args.reward_timeout)
-        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        # 3. pi_old (if needed) and pi_ref log-probs from the trainer; group advantages from every process's rewards.
-        times["train"] = time.time()
+        scoring = scorer.submit(texts, golds)
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         mask = batch["completion_mask"]
         if old_logp_pass:
             batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
-        rewards = task_rewards.to(accelerator.device)
         if ref_model is not None:
             batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
+        accuracy, formats, counts = scorer.result(scoring)
+        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        rewards = task_rewards.to(accelerator.device)
+        if ref_model is not None:
             if args.kl_in_reward:  # detached sequence KL subtracted from the reward, before the advantages
                 kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
                 rewards = rewards - args.beta * (kl * mask).sum(-1)
@@ -734,15 +743,16 @@ def main(args):
         now = time.time()
         metrics = reduce_metrics(accelerator, sums={
             **train_stats["sums"], "rollout/logprob_gap_mean": gap.sum() / num_tokens,
-            "charts/reward_timeouts": counts["timeouts"],
+            **{f"charts/reward_{kind}": counts[kind] for kind in FAILURES},
         }, means={
             **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
             "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
             "charts/truncated_frac": np.mean([t for *_, t in samples]),
             "charts/no_answer_frac": counts["no_answer"] / len(samples),
-            "rollout/tokens_per_s": mask.sum() / (times["score"] - times["rollout"]),
-            "time/rollout": times["score"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
-            "time/score": times["train"] - times["score"], "time/train": now - times["train"],
+            "rollout/tokens_per_s": mask.sum() / (times["train"] - times["rollout"]),
+            "time/rollout": times["train"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
+            "time/score": scoring.waited, "time/score_hidden": scoring.hidden,
+            "time/train": now - times["train"] - scoring.waited,
             "time/step": now - times["step"],
         }, maxes={
             **train_stats["maxes"], "charts/completion_length_max": lengths.max(), "rollout/logprob_gap_max": gap.max(),
@@ -751,7 +761,8 @@ def main(args):
         })
         metrics["charts/reward_std"] = all_rewards.std().item()
         if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
-            metrics.update(evaluate(args, engine, model, tokenizer, test_rows, accelerator, policy_version=step))
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
+                                    policy_version=step))
             metrics["time/eval"] = time.time() - now
         metrics["step"] = step
         if accelerator.is_main_process:
@@ -770,6 +781,7 @@ def main(args):
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
     if accelerator.is_main_process:
         metrics_file.close()
         if args.track:

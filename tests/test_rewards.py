@@ -1,11 +1,23 @@
-"""Answer extraction, math-verify equivalence, format reward, and hostile completions (untrusted input)."""
+"""Answer extraction, math-verify equivalence, format reward, hostile and hedged completions (untrusted input), and
+the persistent scorer: every failure kind scores 0, is counted, and never aborts the step."""
 
+import os
+import signal
+import threading
 import time
+from multiprocessing import Pipe
 
 import pytest
 
-from utils.rewards import (EXTRACTORS, extract_answer_tag, extract_boxed, extract_gsm8k, format_reward, gold_parses,
-                           map_with_timeout, math_equal, score_completions)
+from utils import rewards
+from utils.rewards import (EXTRACTORS, RewardScorer, extract_answer_tag, extract_boxed, extract_gsm8k, format_reward,
+                           gold_parses, math_equal, score_completions)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer("math", "boxed", num_workers=2, timeout=5.0) as s:
+        yield s
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -15,6 +27,10 @@ from utils.rewards import (EXTRACTORS, extract_answer_tag, extract_boxed, extrac
     ("first \\boxed{1} then \\boxed{2}", "2"),  # several boxes: the last one counts
     ("\\fbox{5}", "5"),
     ("\\boxed{ 3 }", "3"),
+    ("\\boxed{72\\}", None),  # an escaped brace does not close the box (it used to give "72\\")
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces inside are content
+    ("\\boxed{72}" + "\u0301" * 5000, "72"),  # junk after the final answer (it used to be missed past 4,000 chars)
+    ("\\boxed{" + "1" * 400 + "}", None),  # longer than MAX_ANSWER_CHARS: the scan stops there
     ("unclosed \\boxed{\\frac{1}{2}", None),  # a truncated completion
     ("no box at all", None),
     ("", None),
@@ -89,22 +105,44 @@ def test_score_completions_toy_is_exact_match():
     acc, fmt, counts = score_completions(["<answer>052</answer>", "<answer>52</answer>", "052", "<answer>052</answer>x"],
                                          ["052"] * 4, "toy", "answer_tags")
     assert acc == [1.0, 0.0, 0.0, 1.0] and fmt == [1.0, 1.0, 0.0, 0.0]
-    assert counts == {"no_answer": 1, "timeouts": 0}
+    assert counts["no_answer"] == 1 and counts["timeouts"] == 0
 
 
-def test_score_completions_math():
+def test_score_completions_math(scorer):
     texts = ["so \\boxed{\\frac{1}{3}}", "\\boxed{0.5}", "I do not know", "<answer>1/3</answer>"]
-    acc, fmt, counts = score_completions(texts, ["\\frac{1}{3}"] * 4, "math", "boxed")
+    acc, fmt, counts = scorer.result(scorer.submit(texts, ["\\frac{1}{3}"] * 4))
     assert acc == [1.0, 0.0, 0.0, 0.0] and counts["no_answer"] == 2
     acc, _, _ = score_completions(texts, ["\\frac{1}{3}"] * 4, "gsm8k", "answer_tags")
     assert acc == [0.0, 0.0, 0.0, 1.0]
+
+
+HEDGES = [  # each would be read as the gold 72 by a reward that picks a number out of the box
+    "\\boxed{73 (I'm not sure, maybe 72)}", "\\boxed{72 @ 73}", "\\boxed{73 @ 72}", "\\boxed{72 & 73 & 74}",
+    "\\boxed{74 & 73 & 72}", "\\boxed{72 \\text{ (or 73)}}", "\\boxed{72\\text{ maybe }73}", "\\boxed{print(72)}",
+    "\\boxed{72 or 73}", "\\boxed{72, 73}", "\\boxed{72 73}", "\\boxed{73 72}", "\\boxed{72;73}", "\\boxed{72 \\\\ 73}",
+    "\\boxed{return 72}", "\\boxed{x = 72 # 73}", "\\boxed{72?}",
+]
+
+
+def test_hedged_answers_score_zero_and_are_counted(scorer):
+    acc, _, counts = scorer.result(scorer.submit(HEDGES, ["72"] * len(HEDGES)))
+    assert acc == [0.0] * len(HEDGES), [h for h, a in zip(HEDGES, acc) if a]
+    assert counts["unparsed"] >= 8  # the ones no parser could read (the rest parse to a set or a product != 72)
+
+
+def test_answer_after_trailing_junk_counts_but_costs_the_format_reward(scorer):
+    texts = ["so \\boxed{72}.", "so \\boxed{72}" + "\u0301" * 5000, "<answer>72</answer>" + " junk" * 2000]
+    acc, fmt, _ = scorer.result(scorer.submit(texts[:2], ["72"] * 2))
+    assert acc == [1.0, 1.0] and fmt == [1.0, 0.0]
+    acc, fmt, _ = score_completions(texts[2:], ["72"], "gsm8k", "answer_tags")
+    assert acc == [1.0] and fmt == [0.0]
 
 
 HOSTILE = [
     "\\boxed{" + "9^{" * 6 + "9" + "}" * 6 + "}",  # a power tower: its exact value never fits in memory
     "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",  # deeply nested braces
     "\\boxed{" + "1" * 100_000 + "}",  # a huge number
-    "x" * 2_000_000 + "\\boxed{1}",  # a very long completion: only the tail is looked at
+    "x" * 2_000_000 + "\\boxed{1}",  # a very long completion: the scans are linear
     "\\boxed{\\frac{" * 300 + "1",  # unclosed nesting, truncated
     "<answer>" + "(" * 2000 + "</answer>",
     "\\boxed{10^{10^{10^{10}}}!}",
@@ -112,23 +150,84 @@ HOSTILE = [
 ]
 
 
-def test_hostile_completions_finish_in_bounded_time_and_score_zero():
+def test_hostile_completions_finish_in_bounded_time_and_score_zero(scorer):
     start = time.time()
-    acc, fmt, counts = score_completions(HOSTILE, ["1"] * len(HOSTILE), "math", "boxed", timeout=3.0)
+    acc, fmt, counts = scorer.result(scorer.submit(HOSTILE, ["1"] * len(HOSTILE)))
     elapsed = time.time() - start
     assert acc[:3] + acc[4:] == [0.0] * (len(HOSTILE) - 1)
     assert acc[3] == 1.0  # the honest answer at the end of a long completion is still found
-    assert elapsed < 3.0 * len(HOSTILE) + 10, elapsed  # each item is bounded by its timeout
-    assert counts["timeouts"] <= len(HOSTILE)
+    assert elapsed < 5.0 * len(HOSTILE) + 10, elapsed  # each item is bounded by its timeout
+    assert counts["verify_timeouts"] + counts["timeouts"] >= 1  # math-verify's own 2 s time-outs are counted now
 
 
-def _sleep_or_square(x):
-    if x < 0:
-        time.sleep(60)  # a check that hangs
-    return x * x
+def test_a_stuck_check_is_killed_and_only_its_answer_scores_zero():
+    tower = "\\boxed{" + "9^{" * 6 + "9" + "}" * 6 + "}"  # math-verify's own alarm gives up after 2 s
+    texts = ["\\boxed{72}", tower, "\\boxed{72.0}", "\\boxed{73}", "\\boxed{72}"]
+    with RewardScorer("math", "boxed", num_workers=1, timeout=0.5) as s:
+        first = s.workers[0]["process"].pid
+        acc, _, counts = s.result(s.submit(texts, ["72", "1", "72", "72", "72"]))
+        assert acc == [1.0, 0.0, 1.0, 0.0, 1.0] and counts["timeouts"] == 1
+        assert s.workers[0]["process"].pid != first  # replaced
+        acc, _, counts = s.result(s.submit(["\\boxed{0.5}"], ["\\frac{1}{2}"]))
+        assert acc == [1.0] and counts["timeouts"] == 0
 
 
-def test_map_with_timeout_replaces_a_hung_worker():
-    start = time.time()
-    assert map_with_timeout(_sleep_or_square, [1, -1, 3, -2, 5], timeout=1.0) == [1, None, 9, None, 25]
-    assert time.time() - start < 10
+def test_a_worker_that_dies_costs_one_answer_not_the_step():
+    tower = "\\boxed{" + "9^{" * 6 + "9" + "}" * 6 + "}"
+    with RewardScorer("math", "boxed", num_workers=1, timeout=30.0) as s:
+        s.result(s.submit(["\\boxed{0.5}"], ["\\frac{1}{2}"]))  # warmed up
+        job = s.submit([tower, "\\boxed{0.5}", "\\boxed{0.25}"], ["1", "\\frac{1}{2}", "\\frac{1}{2}"])
+        time.sleep(0.5)  # the tower is being checked
+        os.kill(s.workers[0]["process"].pid, signal.SIGKILL)  # what the kernel's OOM killer would do
+        acc, _, counts = s.result(job)
+        assert acc == [0.0, 1.0, 0.0] and counts["memory"] == 1
+
+
+def test_workers_have_a_memory_limit():
+    with RewardScorer("math", "boxed", num_workers=1, memory_mb=512) as s:
+        assert s.result(s.submit(["\\boxed{0.5}"], ["\\frac{1}{2}"]))[0] == [1.0]  # the worker has started
+        limits = open(f"/proc/{s.workers[0]['process'].pid}/limits").read()
+    line = next(row for row in limits.splitlines() if row.startswith("Max address space"))
+    assert line.split()[3] != "unlimited"
+
+
+def run_worker_in_thread(task):
+    """The worker loop on a thread of this process, so a test can make its checker raise."""
+    ours, theirs = Pipe()
+    thread = threading.Thread(target=rewards._worker, args=(theirs, 0), daemon=True)
+    thread.start()
+    assert ours.recv() == "ready"
+    ours.send(task)
+    replies = [ours.recv() for _ in task[2]]
+    ours.send(None)
+    thread.join()
+    return [(status, value) for _, _, status, value in replies]
+
+
+@pytest.mark.parametrize("exception, status", [(ValueError("checker bug"), "errors"), (MemoryError(), "memory")])
+def test_a_checker_exception_is_counted_per_answer(monkeypatch, exception, status):
+    real = rewards.parse_answer
+
+    def flaky(answer):
+        if answer == "13":
+            raise exception
+        return real(answer)
+
+    monkeypatch.setattr(rewards, "parse_answer", flaky)
+    assert run_worker_in_thread((0, "72", ["72.0", "13", "73"])) == [("ok", 1.0), (status, 0.0), ("ok", 0.0)]
+
+
+def test_gold_parses_off_the_main_thread():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(gold_parses("\\frac{1}{3}")))
+    thread.start()
+    thread.join()
+    assert results == [True]  # it raised before (math-verify's signal-based alarm works on the main thread only)
+
+
+def test_many_small_calls_reuse_the_warm_workers(scorer):
+    texts = [f"\\boxed{{{i % 7}}}" for i in range(64)]
+    golds = [str(i % 5) for i in range(64)]
+    one = scorer.result(scorer.submit(texts, golds))[0]
+    small = [a for k in range(0, 64, 8) for a in scorer.result(scorer.submit(texts[k:k + 8], golds[k:k + 8]))[0]]
+    assert small == one

@@ -148,3 +148,21 @@ def test_toy_model_script_is_deterministic_and_matches_the_shipped_tokenizer(tmp
     assert open(tmp_path / "a" / "tokenizer.json").read() == open(os.path.join(TOY_MODEL_DIR, "tokenizer.json")).read()
     shipped = load_file(os.path.join(TOY_MODEL_DIR, "model.safetensors"))
     assert {k: v.shape for k, v in shipped.items()} == {k: v.shape for k, v in a.items()}
+
+
+def test_empty_malformed_and_tiny_files_say_what_is_wrong(tmp_path, tokenizer):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        load_task(str(empty), "train", tokenizer)
+    rows = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(20)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows[:6] + ['{"prompt": "q6", "answer": '] + rows[7:]) + "\n")
+    with pytest.raises(ValueError, match=r"line 7: not valid JSON"):
+        load_task(str(bad), "train", tokenizer)
+    tiny = write_jsonl(tmp_path / "tiny.jsonl", [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)])
+    train, test = (load_task(tiny, split, tokenizer)[0] for split in ("train", "test"))
+    assert len(train) == 4 and len(test) == 1  # under 10 rows: one row held out (it was none, then an IndexError)
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "q", "answer": "1"}])
+    with pytest.raises(ValueError, match="needs at least 2"):
+        load_task(one, "train", tokenizer)
