@@ -6,9 +6,10 @@ through, so answers are read strictly and every check is bounded:
 - An answer is parsed as LaTeX; the plain-expression reader is tried only when the whole answer is digits and
   operators, and a \\text{} holding a number is a hedge: "73 (I'm not sure, maybe 72)", "72 @ 73", "72 & 73 & 74"
   and "72 \\text{ (or 73)}" score 0 instead of being read as a single number.
-- math-verify runs in K warm worker processes (RewardScorer), started once through a fork server (never forked from
-  a large CUDA process), each with a memory limit; the gold is parsed once per group and only the extracted answer
-  (<= 300 characters) is sent. An item running past the hard time limit gets its worker killed and replaced (a
+- Plain numbers (most GSM8K answers) are compared exactly in this process when they are equal or clearly apart.
+  Everything else goes to math-verify in K warm worker processes (RewardScorer), started once through a fork server
+  (never forked from a large CUDA process), each with a memory limit; the gold is parsed once per group, each
+  distinct answer checked once, and only the extracted answer (<= 300 characters) is sent. An item running past the hard time limit gets its worker killed and replaced (a
   killed process is the only bound that also stops C code, e.g. a huge integer power in sympy). Every failure kind
   scores 0 and is counted; none aborts the step.
 """
@@ -21,6 +22,7 @@ import re
 import resource
 import threading
 import time
+from decimal import Decimal
 from multiprocessing.connection import wait
 
 MAX_ANSWER_CHARS = 300  # a longer "answer" scores 0 without being parsed
@@ -30,6 +32,7 @@ NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
 PLAIN_EXPRESSION = re.compile(r"[-+*/^().0-9\s]+")  # what the plain-expression reader may see: digits and operators
 SPACED_NUMBERS = re.compile(r"[0-9.]\s+[0-9]")  # "72 73": two answers, not one
 NUMBER_IN_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*[0-9]")  # "72 \text{ (or 73)}": a hedge
+PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")  # 72, -3.5, 1,000 (not 1,2)
 FAILURES = ("unparsed", "timeouts", "verify_timeouts", "errors", "memory")
 
 
@@ -86,6 +89,23 @@ def format_reward(text, answer_format):
         return float(text.count("\\boxed{") == 1 and span is not None and len(text) - span[1] <= MAX_AFTER_BOX)
     return float(text.count("<answer>") == 1 and text.count("</answer>") == 1 and text.rstrip().endswith("</answer>")
                  and extract_answer_tag(text) is not None)
+
+
+def plain_number(text):
+    """The exact value of a plain decimal number ("72", "-3.5", "1,000", "\\$72"), else None."""
+    text = text.strip().replace("\\$", "").replace("$", "").rstrip(".")
+    return Decimal(text.replace(",", "")) if PLAIN_NUMBER.fullmatch(text) else None
+
+
+def numbers_decide(gold, answer):
+    """1.0 / 0.0 when both are plain numbers that are equal or clearly apart (math-verify would agree), else None:
+    most GSM8K answers are settled here, without a worker round trip."""
+    g, a = plain_number(gold), plain_number(answer)
+    if g is None or a is None:
+        return None
+    if a == g:
+        return 1.0
+    return 0.0 if abs(a - g) > Decimal("1e-4") * max(1, abs(g)) else None  # near ties: math-verify's rounding decides
 
 
 # ---- math-verify, strictly (these run inside the worker processes) -------------------------------------------------
@@ -207,8 +227,9 @@ class RewardScorer:
         accuracy, formats, counts = scorer.result(job)
     """
 
-    def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024):
+    def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024, compare_numbers=True):
         self.exact = task == "toy"  # exact match of the tag content: no parser involved
+        self.compare_numbers = compare_numbers  # settle plain numbers here (False: every check goes to math-verify)
         self.extract = extract_answer_tag if self.exact else EXTRACTORS[answer_format]
         self.answer_format, self.timeout, self.memory_bytes = answer_format, timeout, memory_mb * 2**20
         self.queue, self.jobs, self.lock, self.next_id = collections.deque(), {}, threading.Lock(), 0
@@ -237,6 +258,8 @@ class RewardScorer:
                 continue
             elif len(answer) > MAX_ANSWER_CHARS:
                 job.counts["unparsed"] += 1
+            elif self.compare_numbers and (decided := numbers_decide(gold, answer)) is not None:
+                job.accuracy[i] = decided
             else:
                 groups[gold].setdefault(answer, []).append(i)
         with self.lock:
