@@ -30,9 +30,10 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
+from utils.checks import check_args, check_lengths
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted
-from utils.tasks import TOY_MODEL_DIR, check_model, check_task, is_toy_shaped, load_task
+from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_task
 
 
 @dataclass
@@ -142,54 +143,20 @@ class Args:
 
 EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
 REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
-POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
-            "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm", "reward_timeout", "eval_samples",
-            "threads")
-NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature", "reward_workers",
-                "reward_memory_mb")
 
 
 def resolve_args(args, num_processes=1):
-    """Fill the defaults that depend on the model and check every argument before any heavy work starts: the one
-    place where bad input becomes a one-line error that says what to change."""
-    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS  # the toy and models trained from it
+    """Fill the defaults that depend on the model, then check every argument (the shared checks in utils/checks.py,
+    then this algorithm's) before any heavy work starts: bad input becomes one line that says what to change."""
+    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS  # the toy or a model trained from it
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.task == "toy":
         args.answer_format = "answer_tags"
-    for name in POSITIVE:
-        if not getattr(args, name) > 0:  # temperature 0 would divide the trainer's logits by 0 (greedy is for eval)
-            raise ValueError(f"--{name} {getattr(args, name)}: must be > 0")
-    for name in NON_NEGATIVE:
-        if not getattr(args, name) >= 0:
-            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 0")
-    for name in ("top_p", "eval_top_p"):
-        if not 0 < getattr(args, name) <= 1:
-            raise ValueError(f"--{name} {getattr(args, name)}: must be in (0, 1]")
-    if args.total_steps < 1 and not args.eval_only:
-        raise ValueError(f"--total_steps {args.total_steps}: must be >= 1 (use --eval_only to only evaluate)")
-    if args.eval_size < 1 and (args.eval_every or args.eval_only):
-        raise ValueError(f"--eval_size {args.eval_size}: must be >= 1, or pass --eval_every 0 to skip evaluation")
-    check_task(args.task)
-    check_model(args.model)
+    check_args(args, num_processes)
     check_algorithm_args(args)
-    if args.prompts_per_step % num_processes:
-        raise ValueError(f"--prompts_per_step {args.prompts_per_step} must divide by the {num_processes} processes")
-    local_batch = args.prompts_per_step // num_processes * args.num_generations
-    if local_batch % args.num_minibatches or (local_batch // args.num_minibatches) % args.micro_batch_size:
-        raise ValueError(f"each process holds {local_batch} completions a step: it must divide into --num_minibatches "
-                         f"{args.num_minibatches} mini-batches of whole --micro_batch_size {args.micro_batch_size} chunks")
     return args
-
-
-def check_lengths(args):
-    from transformers import AutoConfig
-
-    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
-    if limit is not None and args.max_prompt_length + args.max_new_tokens > limit:
-        raise ValueError(f"--max_prompt_length {args.max_prompt_length} + --max_new_tokens {args.max_new_tokens} "
-                         f"exceeds the model's {limit} positions: lower one of them")
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
@@ -724,10 +691,9 @@ def main(args):
         accuracy, formats, counts = scorer.result(scoring)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         rewards = task_rewards.to(accelerator.device)
-        if ref_model is not None:
-            if args.kl_in_reward:  # detached sequence KL subtracted from the reward, before the advantages
-                kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
-                rewards = rewards - args.beta * (kl * mask).sum(-1)
+        if ref_model is not None and args.kl_in_reward:  # detached sequence KL subtracted before the advantages
+            kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
+            rewards = rewards - args.beta * (kl * mask).sum(-1)
         all_rewards = accelerator.gather(rewards)
         batch["advantages"] = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps).view(world, -1)[rank]
         # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.

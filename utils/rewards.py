@@ -328,8 +328,8 @@ class RewardScorer:
         """Kill a stuck (or dead) worker: its current answer gets `status`, the rest of its task goes back in line."""
         worker["process"].kill()
         worker["process"].join()
+        self.workers[self.workers.index(worker)] = self._start_worker()
         task_id, gold, answers = worker["task"]
-        self._record(task_id, worker["item"], status, 0.0)
         rest = [(task_id, j) for j in range(worker["item"] + 1, len(answers))]
         if rest:  # the remaining answers keep their (task id, index) keys through a renumbered sub-task
             with self.lock:
@@ -338,7 +338,7 @@ class RewardScorer:
                 for k, key in enumerate(rest):
                     job.targets[(sub_id, k)] = job.targets[key]
                 self.queue.appendleft((sub_id, gold, answers[worker["item"] + 1:]))
-        self.workers[self.workers.index(worker)] = self._start_worker()
+        self._record(task_id, worker["item"], status, 0.0)  # last: it may complete the job
 
     def _fail(self, reason):
         """Stop scoring: every job waiting now or later raises `reason` in result()."""

@@ -1,0 +1,45 @@
+"""Checks of the arguments every algorithm script shares, run before any model loads: each bad value becomes a
+one-line ValueError that says what to change. A script adds its own algorithm's checks (check_algorithm_args)."""
+
+from utils.tasks import check_model, check_task
+
+POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
+            "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm", "reward_timeout", "eval_samples",
+            "threads")
+NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature", "reward_workers",
+                "reward_memory_mb")
+
+
+def check_args(args, num_processes=1):
+    """Sizes, ranges, task, model, and how a step's completions divide over processes and (micro-)batches."""
+    for name in POSITIVE:
+        if not getattr(args, name) > 0:  # temperature 0 would divide the trainer's logits by 0 (greedy is for eval)
+            raise ValueError(f"--{name} {getattr(args, name)}: must be > 0")
+    for name in NON_NEGATIVE:
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 0")
+    for name in ("top_p", "eval_top_p"):
+        if not 0 < getattr(args, name) <= 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be in (0, 1]")
+    if args.total_steps < 1 and not args.eval_only:
+        raise ValueError(f"--total_steps {args.total_steps}: must be >= 1 (use --eval_only to only evaluate)")
+    if args.eval_size < 1 and (args.eval_every or args.eval_only):
+        raise ValueError(f"--eval_size {args.eval_size}: must be >= 1, or pass --eval_every 0 to skip evaluation")
+    check_task(args.task)
+    check_model(args.model)
+    if args.prompts_per_step % num_processes:
+        raise ValueError(f"--prompts_per_step {args.prompts_per_step} must divide by the {num_processes} processes")
+    local_batch = args.prompts_per_step // num_processes * args.num_generations
+    if local_batch % args.num_minibatches or (local_batch // args.num_minibatches) % args.micro_batch_size:
+        raise ValueError(f"each process holds {local_batch} completions a step: it must divide into --num_minibatches "
+                         f"{args.num_minibatches} mini-batches of whole --micro_batch_size {args.micro_batch_size} chunks")
+
+
+def check_lengths(args):
+    """Prompt plus completion must fit the model's positions (reads the model's config: after check_model)."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if limit is not None and args.max_prompt_length + args.max_new_tokens > limit:
+        raise ValueError(f"--max_prompt_length {args.max_prompt_length} + --max_new_tokens {args.max_new_tokens} "
+                         f"exceeds the model's {limit} positions: lower one of them")
