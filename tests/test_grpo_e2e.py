@@ -198,6 +198,9 @@ def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
     assert "36 train / 4 test prompts" in proc.stdout
     assert len(rows) == 2 and rows[1]["eval/problems"] == 4
     assert rows[0]["charts/truncated_frac"] >= 0 and rows[0]["charts/reward_timeouts"] == 0
+    for key in ("charts/reward_verify_timeouts", "charts/reward_errors", "charts/reward_memory",
+                "charts/reward_unparsed", "time/score", "time/score_hidden"):  # scored by the warm workers
+        assert key in rows[0], key
 
 
 def test_default_run_learns(tmp_path):
