@@ -191,6 +191,13 @@ def kl_term(logp, ref_logp, old_logp, estimator):
     return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
 
 
+def loss_settings(args):
+    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
+    settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "kl_estimator": args.kl_estimator,
+                "beta": 0.0 if args.kl_in_reward else args.beta, "loss_agg": args.loss_agg, "max_len": args.max_new_tokens}
+    return settings
+
+
 def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
                  clip_eps_high=0.2, beta=0.0, kl_estimator="k3", loss_agg="seq-mean-token-mean", num_seqs=None,
                  num_tokens=None, max_len=None):
@@ -526,21 +533,20 @@ def update_policy(args, model, optimizer, batch, accelerator):
                     old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
                     is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
                         args.tis_cap > 0) else None
-                    loss, means, mc_maxes = compute_loss(
+                    loss, token_means, mc_maxes = compute_loss(
                         logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
-                        clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
-                        beta=0.0 if args.kl_in_reward else args.beta, kl_estimator=args.kl_estimator,
-                        loss_agg=args.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_len=args.max_new_tokens)
+                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
                 if "old_logp" not in batch:
                     old_logp_used[mb_rows[mc_rows]] = old_logp
                 m = mc["completion_mask"].bool()
                 mb_loss = mb_loss + loss.detach()
-                means["losses/policy"], means["losses/entropy"] = loss.detach(), entropy[m].sum() / num_tokens
+                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
+                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
                 if epoch == 0 and mb_start == 0:
                     mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1)[
                         m].abs().max()
-                for k, v in means.items():
+                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
                     sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
                 for k, v in mc_maxes.items():
                     maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
@@ -574,6 +580,9 @@ def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
     reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
     return {k: value for (k, _, _), value in zip(groups, reduced)}
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 def main(args):

@@ -1,4 +1,4 @@
-"""Running grpo.py end to end in a subprocess, as a user would."""
+"""Running an algorithm script end to end in a subprocess, as a user would."""
 
 import json
 import os
@@ -10,14 +10,15 @@ SMALL = ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_siz
          "--eval_samples", "2", "--log_completions_every", "1"]
 
 
-def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True):
-    """Run grpo.py with `args` into out_dir; returns (completed process, metrics rows of the run named exp_name)."""
+def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True, script="grpo.py"):
+    """Run an algorithm script (grpo.py by default) with `args` into out_dir; returns (completed process, metrics rows
+    of the run named exp_name)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [*launcher, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out_dir), *args]
+    cmd = [*launcher, os.path.join(ROOT, script), "--output_dir", str(out_dir), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    exp = args[args.index("--exp_name") + 1] if "--exp_name" in args else "grpo"
+    exp = args[args.index("--exp_name") + 1] if "--exp_name" in args else script[:-3]
     path = os.path.join(str(out_dir), f"{exp}__1", "metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     return proc, rows

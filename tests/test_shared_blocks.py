@@ -1,0 +1,61 @@
+"""The algorithm scripts are copies of grpo.py (cleanrl style): every block under a `# ---- Name ----` header that does
+not depend on the algorithm must be the same text in every script, so a fix to a shared block is made in all of them
+or in none. The blocks allowed to differ are listed here, with the scripts where they may."""
+
+import glob
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+HEADER = re.compile(r"^# ---- (.+?) -+$", re.MULTILINE)
+ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
+    "Algorithm": "*",
+}
+
+
+def blocks(text):
+    """{block name: text from its header to the next header}; the docstring, imports and Args come before the first."""
+    headers = list(HEADER.finditer(text))
+    return {m.group(1): text[m.end():headers[k + 1].start() if k + 1 < len(headers) else len(text)]
+            for k, m in enumerate(headers)}
+
+
+def differences(texts, allowed):
+    """[(block, scripts whose text differs from the most common one)] over blocks that several scripts share."""
+    found = []
+    for name in sorted({name for by_block in texts.values() for name in by_block}):
+        if allowed.get(name) == "*":
+            continue
+        versions = {script: by_block[name] for script, by_block in texts.items()
+                    if name in by_block and script not in allowed.get(name, ())}
+        if len(versions) < 2:
+            continue
+        common = max(set(versions.values()), key=list(versions.values()).count)
+        odd = sorted(script for script, text in versions.items() if text != common)
+        if odd:
+            found.append((name, odd))
+    return found
+
+
+def test_the_scripts_have_the_template_blocks():
+    assert "grpo.py" in SCRIPTS
+    names = list(blocks(open(os.path.join(ROOT, "grpo.py")).read()))
+    assert {"Algorithm", "Rollout batch", "Policy update", "Training loop"} <= set(names), names
+
+
+def test_shared_blocks_are_identical_in_every_script():
+    texts = {script: blocks(open(os.path.join(ROOT, script)).read()) for script in SCRIPTS}
+    for script, by_block in texts.items():
+        assert by_block, f"{script} has no '# ---- Name ----' blocks"
+    found = differences(texts, ALGORITHM_SPECIFIC)
+    assert not found, "; ".join(f"block '{name}' differs in {', '.join(odd)} (fix it in every script, or declare it "
+                                f"algorithm-specific in tests/test_shared_blocks.py)" for name, odd in found)
+
+
+def test_a_one_line_change_is_caught():
+    text = open(os.path.join(ROOT, "grpo.py")).read()
+    changed = text.replace("def make_batch(", "def make_batch(  ", 1)
+    texts = {"grpo.py": blocks(text), "copy_a.py": blocks(text), "copy_b.py": blocks(changed)}
+    assert differences(texts, ALGORITHM_SPECIFIC) == [("Rollout batch", ["copy_b.py"])]
+    assert differences(texts, {**ALGORITHM_SPECIFIC, "Rollout batch": ("copy_b.py",)}) == []
