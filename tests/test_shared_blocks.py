@@ -11,6 +11,7 @@ SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py
 HEADER = re.compile(r"^# ---- (.+?) -+$", re.MULTILINE)
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
+    "Training loop": ("reinforce_pp.py",),  # per-token advantages: the lines that compute them
 }
 
 

