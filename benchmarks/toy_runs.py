@@ -3,8 +3,9 @@
     python benchmarks/toy_runs.py                       # grpo (paper defaults), 3 seeds, 200 steps
     python benchmarks/toy_runs.py --variants grpo dr_grpo token_mean --seeds 1 2 3
     python benchmarks/toy_runs.py --variants grpo vllm_cpu --seeds 1 --steps 60   # engine step-time ratio
+    python benchmarks/toy_runs.py --variants grpo gspo cispo reinforce_pp reinforce_pp_baseline --jobs 2  # the family
 
-Runs `grpo.py` in subprocesses (one CPU thread each), reads each run's metrics.jsonl, and writes
+Runs the algorithm scripts in subprocesses (one CPU thread each; --jobs N at a time), reads each run's metrics.jsonl, and writes
 benchmarks/results/<name>.md (+ .png when matplotlib is installed). Timings are medians over steps, compared as
 ratios against the first variant measured in the same invocation.
 """
@@ -16,17 +17,22 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {
-    "grpo": [],  # the paper: group z-score, seq-mean-token-mean, k3 KL in the loss (beta 0.04)
-    "dr_grpo": ["--scale_rewards", "none", "--loss_agg", "seq-mean-token-sum-norm", "--beta", "0"],
-    "token_mean": ["--loss_agg", "token-mean"],
-    "k3_is": ["--kl_estimator", "k3_is"],
-    "no_kl": ["--beta", "0"],
-    "vllm_cpu": ["--engine", "vllm"],
+VARIANTS = {  # name: (script, flags)
+    "grpo": ("grpo.py", []),  # the paper: group z-score, seq-mean-token-mean, k3 KL in the loss (beta 0.04)
+    "dr_grpo": ("grpo.py", ["--scale_rewards", "none", "--loss_agg", "seq-mean-token-sum-norm", "--beta", "0"]),
+    "token_mean": ("grpo.py", ["--loss_agg", "token-mean"]),
+    "k3_is": ("grpo.py", ["--kl_estimator", "k3_is"]),
+    "no_kl": ("grpo.py", ["--beta", "0"]),
+    "vllm_cpu": ("grpo.py", ["--engine", "vllm"]),
+    "gspo": ("gspo.py", []),  # each script with its own defaults
+    "cispo": ("cispo.py", []),
+    "reinforce_pp": ("reinforce_pp.py", []),
+    "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
 }
 PHASES = ["time/rollout", "time/score", "time/train", "time/step"]
 
@@ -34,8 +40,9 @@ PHASES = ["time/rollout", "time/score", "time/train", "time/step"]
 def run(variant, seed, steps, out_dir, extra):
     exp = f"{variant}"
     shutil.rmtree(os.path.join(out_dir, f"{exp}__{seed}"), ignore_errors=True)  # a fresh run, not a resume
-    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--exp_name", exp, "--seed", str(seed), "--total_steps",
-           str(steps), "--eval_every", str(max(1, steps // 4)), "--output_dir", out_dir, *VARIANTS[variant], *extra]
+    script, flags = VARIANTS[variant]
+    cmd = [sys.executable, os.path.join(ROOT, script), "--exp_name", exp, "--seed", str(seed), "--total_steps",
+           str(steps), "--eval_every", str(max(1, steps // 4)), "--output_dir", out_dir, *flags, *extra]
     start = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.time() - start
@@ -64,6 +71,7 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["grpo"], choices=sorted(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one CPU thread)")
     parser.add_argument("--name", default=None, help="results file name (default: the variants joined)")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo.py flags for every run")
@@ -71,12 +79,14 @@ def main():
     extra = [a for a in args.extra if a != "--"]
     name = args.name or "toy_" + "_".join(args.variants)
     out_dir = os.path.join(args.out_dir, name)
-    results = [run(v, s, args.steps, out_dir, extra) for v in args.variants for s in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 2 on 2 cores: one thread per run, two runs at a time
+        results = list(pool.map(lambda vs: run(*vs, args.steps, out_dir, extra),
+                                [(v, s) for v in args.variants for s in args.seeds]))
     table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r)} for r in results]
 
     base = [t for t in table if t["variant"] == args.variants[0]]
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
-             f"{' '.join(map(str, args.seeds))} --steps {args.steps}{' --name ' + args.name if args.name else ''}"
+             f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}{' --name ' + args.name if args.name else ''}"
              f"{' -- ' + ' '.join(extra) if extra else ''}`", "",
              "| variant | seed | reward first 5 | reward last 5 | length first 5 | length last 5 | greedy pass@1 end "
              "| sampled pass@1 end | max logprob gap | median step s | wall s |", "|" + "---|" * 11]
@@ -104,17 +114,20 @@ def main():
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, (ax_reward, ax_length) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_reward, ax_length, ax_wall) = plt.subplots(1, 3, figsize=(16, 4))
     for v in args.variants:
-        curves = np.array([[r["charts/reward"] for r in res["rows"]] for res in results if res["variant"] == v])
-        lengths = np.array([[r["charts/completion_length"] for r in res["rows"]] for res in results if res["variant"] == v])
+        mine = [res["rows"] for res in results if res["variant"] == v]
+        curves = np.array([[r["charts/reward"] for r in rows] for rows in mine])
+        lengths = np.array([[r["charts/completion_length"] for r in rows] for rows in mine])
+        wall = np.array([np.cumsum([r["time/step"] + r.get("time/eval", 0.0) for r in rows]) for rows in mine])
         steps = np.arange(1, curves.shape[1] + 1)
         for ax, data in ((ax_reward, curves), (ax_length, lengths)):
-            mean = data.mean(0)
-            ax.plot(steps, mean, label=f"{v} ({len(data)} seeds)")
+            ax.plot(steps, data.mean(0), label=f"{v} ({len(data)} seeds)")
             ax.fill_between(steps, data.min(0), data.max(0), alpha=0.2)
+        ax_wall.plot(wall.mean(0), curves.mean(0), label=v)
     ax_reward.set(xlabel="step", ylabel="mean reward (accuracy + 0.1 format)", title="toy addition, reward")
     ax_length.set(xlabel="step", ylabel="completion tokens", title="completion length")
+    ax_wall.set(xlabel="seconds (sum of step and eval times)", ylabel="mean reward", title="reward over wall time")
     ax_reward.legend()
     fig.tight_layout()
     fig.savefig(path + ".png", dpi=110)
