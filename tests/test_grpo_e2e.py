@@ -187,18 +187,23 @@ def test_two_processes(tmp_path):
 
 
 def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
+    """A MATH-shaped file whose golds are LaTeX (\\frac{104}{2} for 07+45=): the toy model's <answer>052</answer> is
+    only right through math-verify, so the warm reward workers do the scoring inside the loop."""
     path = tmp_path / "math.jsonl"
     with open(path, "w") as f:
-        for i in range(1, 41):
-            f.write(json.dumps({"problem": f"Compute {i}+{i}.", "solution": f"So $\\boxed{{{2 * i}}}$."}) + "\n")
-    proc, rows = run_grpo(["--task", str(path), "--total_steps", "2", "--max_new_tokens", "16", "--eval_every", "2",
-                           "--answer_format", "boxed", *SMALL], tmp_path)
+        for i in range(40):
+            a, b = (i * 37) % 100, (i * 53 + 11) % 100
+            f.write(json.dumps({"problem": f"{a:02d}+{b:02d}=", "solution": f"$\\boxed{{\\frac{{{2 * (a + b)}}}{{2}}}}$"})
+                    + "\n")
+    proc, rows = run_grpo(["--task", str(path), "--total_steps", "2", "--eval_every", "2", "--answer_format",
+                           "answer_tags", *SMALL], tmp_path)
     assert "36 train / 4 test prompts" in proc.stdout
     assert len(rows) == 2 and rows[1]["eval/problems"] == 4
-    assert rows[0]["charts/truncated_frac"] >= 0 and rows[0]["charts/reward_timeouts"] == 0
-    for key in ("charts/reward_verify_timeouts", "charts/reward_errors", "charts/reward_memory",
-                "charts/reward_unparsed", "time/score", "time/score_hidden"):  # scored by the warm workers
-        assert key in rows[0], key
+    assert max(r["charts/accuracy"] for r in rows) > 0  # scored by math-verify in the workers
+    for key in ("charts/reward_timeouts", "charts/reward_verify_timeouts", "charts/reward_errors",
+                "charts/reward_memory", "charts/reward_unparsed"):
+        assert rows[0][key] == 0, key
+    assert "time/score" in rows[0] and "time/score_hidden" in rows[0]
 
 
 def test_default_run_learns(tmp_path):
