@@ -22,3 +22,14 @@ def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True,
     path = os.path.join(str(out_dir), f"{exp}__1", "metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     return proc, rows
+
+
+def assert_same_loss_and_gradient(loss, expected, wrt, atol=1e-6):
+    """A loss and an independent reference written in the test agree in value and in gradient with respect to wrt."""
+    import pytest
+    import torch
+
+    (grad,) = torch.autograd.grad(loss, wrt)
+    (expected_grad,) = torch.autograd.grad(expected, wrt)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    assert torch.allclose(grad, expected_grad, atol=atol), (grad - expected_grad).abs().max()
