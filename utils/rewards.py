@@ -321,6 +321,9 @@ class RewardScorer:
             job.counts[status] += len(job.targets[(task_id, j)])
         job.pending -= 1
         if job.pending == 0:
+            with self.lock:  # forget the finished job's tasks (a long run would keep every job alive otherwise)
+                for key in [k for k, v in self.jobs.items() if v is job]:
+                    del self.jobs[key]
             job.finished = time.time()
             job.done.set()
 
