@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import resource
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -38,6 +37,7 @@ import torch
 from utils.checks import check_args, check_lengths
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted
+from utils.runs import find_checkpoint, reduce_metrics, save_checkpoint, save_model
 from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_task
 
 
@@ -155,7 +155,8 @@ REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
 def resolve_args(args, num_processes=1):
     """Fill the defaults that depend on the model, then check every argument (the shared checks in utils/checks.py,
     then this algorithm's) before any heavy work starts: bad input becomes one line that says what to change."""
-    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS  # the toy or a model trained from it
+    toy = is_toy_shaped(args.model)  # the embedded model, or one trained from it
+    defaults = EMBEDDED_DEFAULTS if toy else REAL_MODEL_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -181,7 +182,8 @@ def check_algorithm_args(args):
     if args.loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
     if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
-        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use k2/k3+/k3_is")
+        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use "
+                         "k2/k3+/k3_is")
 
 
 def compute_advantages(rewards, num_generations, scale, eps):
@@ -200,8 +202,9 @@ def kl_term(logp, ref_logp, old_logp, estimator):
 
 def loss_settings(args):
     """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
-    settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "kl_estimator": args.kl_estimator,
-                "beta": 0.0 if args.kl_in_reward else args.beta, "loss_agg": args.loss_agg, "max_len": args.max_new_tokens}
+    settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
+                "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
+                "max_len": args.max_new_tokens}
     settings["token_mask"] = args.token_mask
     return settings
 
@@ -473,42 +476,6 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
             (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
 
 
-# ---- Checkpoints ----------------------------------------------------------------------------------------------------
-
-
-def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
-    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk."""
-    final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # model, optimizer, RNG states of every process
-    save_model(accelerator, model, tokenizer, os.path.join(tmp, "hf"))
-    if accelerator.is_main_process:
-        with open(os.path.join(tmp, "step.json"), "w") as f:
-            json.dump({"step": step}, f)
-        if os.path.exists(final):
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def save_model(accelerator, model, tokenizer, path):
-    """A Hugging Face folder (loadable with --model PATH --eval_only)."""
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict)
-        tokenizer.save_pretrained(path)
-
-
-def find_checkpoint(run_dir):
-    for name in ("checkpoint", "checkpoint.old"):  # .old exists alone only if a crash hit the swap
-        if os.path.exists(os.path.join(run_dir, name, "step.json")):
-            return os.path.join(run_dir, name)
-    return None
-
-
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
@@ -575,27 +542,11 @@ def update_policy(args, model, optimizer, batch, accelerator):
                            "maxes": maxes}
 
 
-# ---- Logging --------------------------------------------------------------------------------------------------------
+# ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
                 "rollout/logprob_gap_max", "eval/pass@1_greedy"]
-
-
-def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
-    """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
-    divided by a global count), `means` averaged (values over as many items on every process), `maxes` maxed. One
-    gather and one host sync per step."""
-    groups = [(k, v, "sum") for k, v in dict(sums).items()] + [(k, v, "mean") for k, v in dict(means).items()] + [
-        (k, v, "max") for k, v in dict(maxes).items()]
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
-                          for _, v, _ in groups])
-    gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
-    reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
-    return {k: value for (k, _, _), value in zip(groups, reduced)}
-
-
-# ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 def main(args):

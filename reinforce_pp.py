@@ -10,10 +10,11 @@ For each prompt q, sample completions o_i from pi_old and maximize the token-lev
   advantages      A_it = (G_it - mean(G)) / std(G), mean and std over every token of the batch, all processes
 
 This is the family's first script with per-token advantages A_it (B, T): compute_loss takes them as they are (GRPO's
-(B,) advantages are the case of A constant over a sequence). --baseline is REINFORCE++-baseline for RLVR (groups of
-G): A'_i = R_i - mean_group(R), the same global token-weighted whitening, and the KL as a k2 loss term (OpenRLHF's RLVR
-example) instead of k1 in the reward. Whitening uses the population variance (OpenRLHF's, the authors' code;
---whiten_unbiased: verl's Bessel correction). Differences from grpo.py: the advantages above (per token, global
+(B,) advantages are the case of A constant over a sequence); the whitening is utils.rl.masked_whiten over all
+processes. --baseline is REINFORCE++-baseline for RLVR (groups of G): A'_i = R_i - mean_group(R), the same global
+token-weighted whitening, and the KL as a k2 loss term (OpenRLHF's RLVR example) instead of k1 in the reward.
+Whitening uses the population variance (OpenRLHF's, the authors' code; --whiten_unbiased: verl's Bessel correction).
+Differences from grpo.py: the advantages above (per token, global
 whitening instead of the group z-score), KL placement (k1 in the reward, beta = 0.01: OpenRLHF's default), token-mean;
 the training loop changes only where the advantages are computed. `diff grpo.py reinforce_pp.py` shows exactly this.
 """
@@ -24,7 +25,6 @@ import json
 import logging
 import os
 import resource
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal, Optional
@@ -34,7 +34,8 @@ import torch
 
 from utils.checks import check_args, check_lengths
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
-from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, kl_k1, kl_k2, kl_k3
+from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, kl_k1, kl_k2, masked_whiten
+from utils.runs import find_checkpoint, reduce_metrics, save_checkpoint, save_model
 from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_task
 
 
@@ -98,7 +99,7 @@ class Args:
     clip_eps_high: float = 0.2
     """ratio clipped above at 1 + clip_eps_high"""
     beta: float = 0.01
-    """KL coefficient: k1 in the reward (OpenRLHF's 0.01); with --baseline a k2 loss (its RLVR example: 1e-5); 0: none"""
+    """KL coefficient: k1 in the reward (OpenRLHF: 0.01); --baseline: a k2 loss (its RLVR example: 1e-5); 0: none"""
     baseline: bool = False
     """REINFORCE++-baseline: subtract the group mean of the rewards first; KL as a k2 loss term"""
     whiten_unbiased: bool = False
@@ -148,7 +149,8 @@ REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
 def resolve_args(args, num_processes=1):
     """Fill the defaults that depend on the model, then check every argument (the shared checks in utils/checks.py,
     then this algorithm's) before any heavy work starts: bad input becomes one line that says what to change."""
-    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS  # the toy or a model trained from it
+    toy = is_toy_shaped(args.model)  # the embedded model, or one trained from it
+    defaults = EMBEDDED_DEFAULTS if toy else REAL_MODEL_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -190,21 +192,9 @@ def compute_advantages(rewards, mask, kl=None, beta=0.0, num_generations=1, base
     return token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
 
 
-def whiten(advantages, mask, accelerator=None, unbiased=False, eps=1e-8):
-    """(A - mean) / sqrt(var + eps) with the token-weighted mean and variance of every process's valid tokens (the
-    single-process case is utils.rl.masked_whiten); float64 sums, one all-reduce."""
-    sums = torch.stack([mask.sum(), (advantages * mask).sum(), (advantages ** 2 * mask).sum()]).double()
-    if accelerator is not None:
-        sums = accelerator.reduce(sums, reduction="sum")
-    count, total, squares = sums
-    mean = total / count
-    var = (squares - count * mean ** 2).clamp(min=0) / ((count - 1).clamp(min=1) if unbiased else count)
-    return ((advantages - mean) * torch.rsqrt(var + eps)).to(advantages.dtype) * mask
-
-
-def kl_term(logp, ref_logp, old_logp, estimator):
-    """Per-token KL penalty for the loss (--baseline: k2, the per-token reverse-KL gradient; see utils/rl.py)."""
-    return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
+def kl_term(logp, ref_logp, old_logp, estimator="k2"):
+    """Per-token KL penalty for the loss (--baseline only): k2, the per-token reverse-KL gradient (utils/rl.py)."""
+    return kl_k2(logp, ref_logp)
 
 
 def loss_settings(args):
@@ -475,42 +465,6 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
             (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
 
 
-# ---- Checkpoints ----------------------------------------------------------------------------------------------------
-
-
-def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
-    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk."""
-    final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # model, optimizer, RNG states of every process
-    save_model(accelerator, model, tokenizer, os.path.join(tmp, "hf"))
-    if accelerator.is_main_process:
-        with open(os.path.join(tmp, "step.json"), "w") as f:
-            json.dump({"step": step}, f)
-        if os.path.exists(final):
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def save_model(accelerator, model, tokenizer, path):
-    """A Hugging Face folder (loadable with --model PATH --eval_only)."""
-    state_dict = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict)
-        tokenizer.save_pretrained(path)
-
-
-def find_checkpoint(run_dir):
-    for name in ("checkpoint", "checkpoint.old"):  # .old exists alone only if a crash hit the swap
-        if os.path.exists(os.path.join(run_dir, name, "step.json")):
-            return os.path.join(run_dir, name)
-    return None
-
-
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
@@ -577,27 +531,11 @@ def update_policy(args, model, optimizer, batch, accelerator):
                            "maxes": maxes}
 
 
-# ---- Logging --------------------------------------------------------------------------------------------------------
+# ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
                 "rollout/logprob_gap_max", "eval/pass@1_greedy"]
-
-
-def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
-    """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
-    divided by a global count), `means` averaged (values over as many items on every process), `maxes` maxed. One
-    gather and one host sync per step."""
-    groups = [(k, v, "sum") for k, v in dict(sums).items()] + [(k, v, "mean") for k, v in dict(means).items()] + [
-        (k, v, "max") for k, v in dict(maxes).items()]
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
-                          for _, v, _ in groups])
-    gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
-    reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
-    return {k: value for (k, _, _), value in zip(groups, reduced)}
-
-
-# ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 def main(args):
@@ -718,7 +656,8 @@ def main(args):
         all_rewards = accelerator.gather(rewards)
         kl = kl_k1(batch["old_logp"], batch["ref_logp"]) if ref_model is not None and not args.baseline else None
         returns = compute_advantages(rewards, mask, kl, args.beta, G, args.baseline)  # per token
-        batch["advantages"] = whiten(returns, mask, accelerator, args.whiten_unbiased, args.adv_eps)
+        batch["advantages"] = masked_whiten(returns, mask, unbiased=args.whiten_unbiased, eps=args.adv_eps, all_reduce=(
+            lambda sums: accelerator.reduce(sums, reduction="sum"))) * mask  # over every process's tokens
         # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
         try:
             old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)

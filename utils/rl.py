@@ -64,19 +64,23 @@ def group_advantages(rewards, scale="group", eps=1e-6):
     return centered / (std + eps)
 
 
-def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8):
+def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_reduce=None):
     """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
 
     unbiased=True applies Bessel's correction on the token count (verl masked_whiten); False is OpenRLHF's population
-    variance. shift_mean=False only scales (reward whitening in lm-human-preferences). A single valid token has
-    variance 0 (no Bessel correction on a count of 1): it whitens to 0, not NaN.
+    variance. shift_mean=False only scales (reward whitening in lm-human-preferences). all_reduce (a function summing a
+    tensor over processes) makes the statistics those of every process's tokens: one all-reduce of three float64 sums.
+    A single valid token has variance 0 (no Bessel correction on a count of 1): it whitens to 0, not NaN.
     """
     mask = mask.to(values.dtype)
-    count = mask.sum()
-    mean = (values * mask).sum() / count
-    var = (((values - mean) * mask) ** 2).sum() / ((count - 1).clamp(min=1) if unbiased else count)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
-    return whitened if shift_mean else whitened + mean
+    sums = torch.stack([mask.sum(), (values * mask).sum(), (values ** 2 * mask).sum()]).double()
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    count, total, squares = sums
+    mean = total / count
+    var = (squares - count * mean ** 2).clamp(min=0) / ((count - 1).clamp(min=1) if unbiased else count)
+    whitened = ((values - mean) * torch.rsqrt(var + eps)).to(values.dtype)
+    return whitened if shift_mean else whitened + mean.to(values.dtype)
 
 
 # --- Loss aggregation ------------------------------------------------------------------------------------------------
