@@ -21,12 +21,10 @@ the training loop changes only where the advantages are computed. `diff grpo.py 
 
 import contextlib
 import importlib.util
-import json
-import logging
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import numpy as np
@@ -34,9 +32,11 @@ import torch
 
 from utils.checks import check_args, check_lengths
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
-from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, kl_k1, kl_k2, masked_whiten
-from utils.runs import find_checkpoint, reduce_metrics, save_checkpoint, save_model
-from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_task
+from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, kl_k1, kl_k2, make_batch, masked_whiten, slice_batch,
+                      token_rewards)
+from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
+                        resume_checkpoint, save_checkpoint, save_model, write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_splits
 
 
 @dataclass
@@ -157,14 +157,14 @@ def resolve_args(args, num_processes=1):
     if args.task == "toy":
         args.answer_format = "answer_tags"
     check_args(args, num_processes)
-    check_algorithm_args(args)
+    check_algorithm_args(args, num_processes)
     return args
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
 
 
-def check_algorithm_args(args):
+def check_algorithm_args(args, num_processes=1):
     """REINFORCE++'s own argument checks (called by resolve_args)."""
     if args.baseline and args.num_generations < 2:
         raise ValueError(f"--num_generations {args.num_generations}: --baseline subtracts the group mean: use >= 2")
@@ -184,12 +184,7 @@ def compute_advantages(rewards, mask, kl=None, beta=0.0, num_generations=1, base
     if baseline:
         centered = rewards - rewards.view(-1, num_generations).mean(-1).repeat_interleave(num_generations)
         return centered.unsqueeze(-1) * mask
-    last = mask.sum(-1).long() - 1  # the last completion token (EOS, or where it was cut)
-    token_rewards = torch.zeros_like(mask).scatter(-1, last.unsqueeze(-1), rewards.unsqueeze(-1).to(mask.dtype))
-    if kl is not None:
-        token_rewards = token_rewards - beta * kl.detach()
-    token_rewards = token_rewards * mask
-    return token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    return token_rewards(rewards, mask, kl, beta).flip(-1).cumsum(-1).flip(-1) * mask
 
 
 def kl_term(logp, ref_logp, old_logp, estimator="k2"):
@@ -417,30 +412,6 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
              None, o.finish_reason == "length") for out in outputs for o in out.outputs]
 
 
-# ---- Rollout batch --------------------------------------------------------------------------------------------------
-
-
-def make_batch(prompts, samples, pad_id, device):
-    """Pad [prompt | completion] rows: prompts left-padded to one width, completions right-padded to another."""
-    prompt_width = max(len(p) for p in prompts)
-    completion_width = max(len(ids) for ids, _, _ in samples)
-    rows, attn, cmask, engine_logp = [], [], [], []
-    for prompt, (ids, logprobs, _) in zip(prompts, samples):
-        left, right = prompt_width - len(prompt), completion_width - len(ids)
-        rows.append([pad_id] * left + prompt + ids + [pad_id] * right)
-        attn.append([0] * left + [1] * (len(prompt) + len(ids)) + [0] * right)
-        cmask.append([1] * len(ids) + [0] * right)
-        engine_logp.append((logprobs or [0.0] * len(ids)) + [0.0] * right)
-    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
-    return {"input_ids": as_tensor(rows, torch.long), "attention_mask": as_tensor(attn, torch.long),
-            "completion_mask": as_tensor(cmask, torch.float32), "engine_logp": as_tensor(engine_logp, torch.float32),
-            "prompt_width": prompt_width}
-
-
-def slice_batch(batch, idx):
-    return {k: v[idx] if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
 
 
@@ -488,7 +459,7 @@ def update_policy(args, model, optimizer, batch, accelerator):
             mb_rows = order[mb_start:mb_start + size]
             mb = slice_batch(batch, mb_rows)
             num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
-                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum")
+                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
             mb_loss = 0.0
             for mc_start in range(0, size, args.micro_batch_size):
                 mc_rows = slice(mc_start, mc_start + args.micro_batch_size)
@@ -513,8 +484,8 @@ def update_policy(args, model, optimizer, batch, accelerator):
                 token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
                 token_means["losses/entropy"] = entropy[m].sum() / num_tokens
                 if epoch == 0 and mb_start == 0:
-                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1)[
-                        m].abs().max()
+                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
+                    ).mul(m).max()
                 for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
                     sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
                 for k, v in mc_maxes.items():
@@ -542,38 +513,22 @@ def main(args):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm import tqdm
-    from transformers.utils import logging as transformers_logging
 
     torch.set_num_threads(args.threads)
-    transformers_logging.set_verbosity_error()  # no per-save "Removed shared tensor" notes, no loading bars
-    transformers_logging.disable_progress_bar()
-    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # the tied lm_head is re-tied on load
+    quiet_libraries()
     on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
-    checkpoint = find_checkpoint(run_dir)
     # Bad input fails here, in one line, before the models load.
     try:
         args = resolve_args(args, accelerator.num_processes)
-        if checkpoint and not args.resume and not args.eval_only:
-            raise ValueError(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
-        if args.resume and not checkpoint:
-            raise ValueError(f"--resume: {run_dir} has no checkpoint; check --exp_name/--seed, or drop --resume")
+        checkpoint = resume_checkpoint(run_dir, args)
         tokenizer = load_tokenizer(args)
         check_lengths(args)
-        test_rows, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
-                                           args.eval_size)
-        train_rows, train_counts = ([], {}) if args.eval_only else load_task(
-            args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
-        if not args.eval_only and len(train_rows) < args.prompts_per_step:
-            raise ValueError(f"only {len(train_rows)} train prompts: lower --prompts_per_step below that")
-        if (args.eval_every or args.eval_only) and len(test_rows) < accelerator.num_processes:
-            raise ValueError(f"{len(test_rows)} test prompts for {accelerator.num_processes} processes: pass "
-                             "--eval_every 0, or a task with more test rows")
+        train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
     except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
-    accelerator.print(f"task {args.task}: {len(train_rows)} train / {len(test_rows)} test prompts; dropped at load: "
-                      f"train {train_counts}, test {test_counts}; {accelerator.num_processes} process(es)")
+    accelerator.print(summary)
     set_seed(args.seed, device_specific=True)
     # The reward workers start now, before the models and the engine: they warm up while those load.
     scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
@@ -592,34 +547,12 @@ def main(args):
 
     if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
         result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
-        if accelerator.is_main_process:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "eval_only.jsonl"), "a") as f:
-                f.write(json.dumps({"model": args.model, **result}) + "\n")
-        accelerator.print(json.dumps(result))
+        write_eval_only(accelerator, run_dir, args.model, result)
         scorer.close()
         return result
 
-    start_step = 1
-    if args.resume:
-        accelerator.load_state(checkpoint)
-        with open(os.path.join(checkpoint, "step.json")) as f:
-            start_step = json.load(f)["step"] + 1
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    os.makedirs(run_dir, exist_ok=True)
-    if accelerator.is_main_process:
-        metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        kept = [line for line in open(metrics_path) if json.loads(line).get("step", start_step) < start_step] if (
-            start_step > 1 and os.path.exists(metrics_path)) else []  # drop steps logged after the checkpoint
-        metrics_file = open(metrics_path, "w")
-        metrics_file.writelines(kept)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=1)
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=os.path.basename(run_dir), config=asdict(args),
-                       id=os.path.basename(run_dir), resume="allow")
+    start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
+    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
 
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
     prompts_local = args.prompts_per_step // world
@@ -694,10 +627,7 @@ def main(args):
             metrics["time/eval"] = time.time() - now
         metrics["step"] = step
         if accelerator.is_main_process:
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            if args.track:
-                wandb.log(metrics, step=step)
+            log_metrics(metrics_file, metrics, args.track)
             progress.write(f"step {step}/{args.total_steps}" + "".join(
                 f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics) +
                 f" ({metrics['time/step']:.2f} s)")
@@ -711,9 +641,7 @@ def main(args):
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
     scorer.close()
     if accelerator.is_main_process:
-        metrics_file.close()
-        if args.track:
-            wandb.finish()
+        close_metrics(metrics_file, args.track)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/toy_runs.py                       # grpo (paper defaults), 3 seeds, 200 steps
     python benchmarks/toy_runs.py --variants grpo dr_grpo token_mean --seeds 1 2 3
     python benchmarks/toy_runs.py --variants grpo vllm_cpu --seeds 1 --steps 60   # engine step-time ratio
-    python benchmarks/toy_runs.py --variants grpo gspo cispo reinforce_pp reinforce_pp_baseline --jobs 2  # the family
+    python benchmarks/toy_runs.py --variants grpo dapo gspo cispo reinforce_pp reinforce_pp_baseline --jobs 2  # family
 
 Runs the algorithm scripts in subprocesses (one CPU thread each; --jobs N at a time), reads each run's metrics.jsonl, and writes
 benchmarks/results/<name>.md (+ .png when matplotlib is installed). Timings are medians over steps, compared as
@@ -29,7 +29,8 @@ VARIANTS = {  # name: (script, flags)
     "k3_is": ("grpo.py", ["--kl_estimator", "k3_is"]),
     "no_kl": ("grpo.py", ["--beta", "0"]),
     "vllm_cpu": ("grpo.py", ["--engine", "vllm"]),
-    "gspo": ("gspo.py", []),  # each script with its own defaults
+    "dapo": ("dapo.py", []),  # each script with its own defaults
+    "gspo": ("gspo.py", []),
     "cispo": ("cispo.py", []),
     "reinforce_pp": ("reinforce_pp.py", []),
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
@@ -37,16 +38,23 @@ VARIANTS = {  # name: (script, flags)
 PHASES = ["time/rollout", "time/score", "time/train", "time/step"]
 
 
-def run(variant, seed, steps, out_dir, extra):
+def run(variant, seed, steps, out_dir, extra, reuse=False):
     exp = f"{variant}"
-    shutil.rmtree(os.path.join(out_dir, f"{exp}__{seed}"), ignore_errors=True)  # a fresh run, not a resume
+    run_dir = os.path.join(out_dir, f"{exp}__{seed}")
+    done = os.path.join(run_dir, "benchmark.json")  # written when a run finished: its command and wall time
     script, flags = VARIANTS[variant]
     cmd = [sys.executable, os.path.join(ROOT, script), "--exp_name", exp, "--seed", str(seed), "--total_steps",
            str(steps), "--eval_every", str(max(1, steps // 4)), "--output_dir", out_dir, *flags, *extra]
-    start = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.time() - start
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, f"{exp}__{seed}", "metrics.jsonl"))]
+    if reuse and os.path.exists(done) and json.load(open(done))["cmd"][1:] == cmd[1:]:
+        wall = json.load(open(done))["wall_s"]  # --reuse: a finished run of the same command is read, not rerun
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume
+        start = time.time()
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wall = time.time() - start
+        with open(done, "w") as f:
+            json.dump({"cmd": cmd, "wall_s": wall, "finished": time.strftime("%Y-%m-%d %H:%M")}, f)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
 
 
@@ -74,20 +82,22 @@ def main():
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one CPU thread)")
     parser.add_argument("--name", default=None, help="results file name (default: the variants joined)")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("--reuse", action="store_true", help="read runs of the same command that finished earlier in "
+                        "--out_dir instead of rerunning them (their timings were measured then, under that load)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo.py flags for every run")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
     name = args.name or "toy_" + "_".join(args.variants)
     out_dir = os.path.join(args.out_dir, name)
     with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 2 on 2 cores: one thread per run, two runs at a time
-        results = list(pool.map(lambda vs: run(*vs, args.steps, out_dir, extra),
+        results = list(pool.map(lambda vs: run(*vs, args.steps, out_dir, extra, args.reuse),
                                 [(v, s) for v in args.variants for s in args.seeds]))
     table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r)} for r in results]
 
     base = [t for t in table if t["variant"] == args.variants[0]]
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}{' --name ' + args.name if args.name else ''}"
-             f"{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             f"{' --reuse' if args.reuse else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
              "| variant | seed | reward first 5 | reward last 5 | length first 5 | length last 5 | greedy pass@1 end "
              "| sampled pass@1 end | max logprob gap | median step s | wall s |", "|" + "---|" * 11]
     for t in table:

@@ -15,6 +15,7 @@ import torch
 
 import grpo
 from tests.helpers import ROOT, SMALL, run_grpo
+from utils.runs import find_checkpoint
 
 
 def test_import_has_no_side_effects(tmp_path):
@@ -217,10 +218,10 @@ def test_default_run_learns(tmp_path):
 def test_a_crash_while_checkpointing_loses_nothing(tmp_path):
     """save_checkpoint writes checkpoint.tmp (step.json last), then renames checkpoint -> .old, .tmp -> checkpoint."""
     (tmp_path / "checkpoint.tmp").mkdir()  # crash while writing: the half-written folder has no step.json
-    assert grpo.find_checkpoint(str(tmp_path)) is None
+    assert find_checkpoint(str(tmp_path)) is None
     (tmp_path / "checkpoint.old").mkdir()  # crash between the two renames: the previous checkpoint is still whole
     (tmp_path / "checkpoint.old" / "step.json").write_text('{"step": 4}')
-    assert grpo.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint.old")
+    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint.old")
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "step.json").write_text('{"step": 6}')
-    assert grpo.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")
+    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")

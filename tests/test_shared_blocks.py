@@ -11,7 +11,8 @@ SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py
 HEADER = re.compile(r"^# ---- (.+?) -+$", re.MULTILINE)
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
-    "Training loop": ("reinforce_pp.py",),  # per-token advantages: the lines that compute them
+    "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
+                      "dapo.py"),  # dynamic sampling: generation rounds until enough groups have distinct rewards
 }
 
 
@@ -42,7 +43,8 @@ def differences(texts, allowed):
 def test_the_scripts_have_the_template_blocks():
     assert "grpo.py" in SCRIPTS
     names = list(blocks(open(os.path.join(ROOT, "grpo.py")).read()))
-    assert {"Algorithm", "Rollout batch", "Policy update", "Training loop"} <= set(names), names
+    assert {"Algorithm", "Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate", "Policy update",
+            "Training loop"} <= set(names), names
 
 
 def test_shared_blocks_are_identical_in_every_script():
@@ -56,7 +58,8 @@ def test_shared_blocks_are_identical_in_every_script():
 
 def test_a_one_line_change_is_caught():
     text = open(os.path.join(ROOT, "grpo.py")).read()
-    changed = text.replace("def make_batch(", "def make_batch(  ", 1)
+    changed = text.replace("def push_weights(", "def push_weights(  ", 1)
     texts = {"grpo.py": blocks(text), "copy_a.py": blocks(text), "copy_b.py": blocks(changed)}
-    assert differences(texts, ALGORITHM_SPECIFIC) == [("Rollout batch", ["copy_b.py"])]
-    assert differences(texts, {**ALGORITHM_SPECIFIC, "Rollout batch": ("copy_b.py",)}) == []
+    engine = "Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate"
+    assert differences(texts, ALGORITHM_SPECIFIC) == [(engine, ["copy_b.py"])]
+    assert differences(texts, {**ALGORITHM_SPECIFIC, engine: ("copy_b.py",)}) == []

@@ -1,4 +1,5 @@
-"""Pure tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation.
+"""Pure tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation,
+the rollout batch's layout.
 Formulas, placements and reference numbers: ALGORITHMS.md §1 and §12 (in the shared design notes).
 """
 
@@ -83,6 +84,28 @@ def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_re
     return whitened if shift_mean else whitened + mean.to(values.dtype)
 
 
+def token_rewards(scores, mask, kl=None, beta=0.0):
+    """(B, T) per-token rewards of REINFORCE++ and PPO: each completion's score on its last token (EOS, or where it
+    was cut), -beta * KL (detached) on every token, 0 after the end."""
+    last = mask.sum(-1).long() - 1
+    rewards = torch.zeros_like(mask).scatter(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(mask.dtype))
+    if kl is not None:
+        rewards = rewards - beta * kl.detach()
+    return rewards * mask
+
+
+def explained_variance(predictions, targets, mask, all_reduce=None):
+    """1 - Var(targets - predictions) / Var(targets) over the valid tokens (of every process with all_reduce): 1 when
+    a critic predicts its returns exactly, 0 when it predicts no better than their mean; NaN when the targets are
+    constant."""
+    diff = targets - predictions
+    sums = torch.stack([mask.sum(), (targets * mask).sum(), (targets ** 2 * mask).sum(), (diff * mask).sum(),
+                        (diff ** 2 * mask).sum()]).double()
+    count, t1, t2, d1, d2 = all_reduce(sums) if all_reduce is not None else sums
+    var_targets = t2 / count - (t1 / count) ** 2
+    return (1 - (d2 / count - (d1 / count) ** 2) / var_targets).item() if var_targets > 1e-12 else float("nan")
+
+
 # --- Loss aggregation ------------------------------------------------------------------------------------------------
 
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -112,3 +135,27 @@ def aggregate_loss(per_token, mask, mode, num_seqs, num_tokens, max_len=None):
                              "generation budget, max_new_tokens)")
         return masked.sum() / (num_seqs * max_len)
     raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGGREGATIONS}")
+
+
+# --- The rollout batch: [left-padded prompt | right-padded completion] rows ---------------------------------------
+
+
+def make_batch(prompts, samples, pad_id, device):
+    """Pad [prompt | completion] rows: prompts left-padded to one width, completions right-padded to another."""
+    prompt_width = max(len(p) for p in prompts)
+    completion_width = max(len(ids) for ids, _, _ in samples)
+    rows, attn, cmask, engine_logp = [], [], [], []
+    for prompt, (ids, logprobs, _) in zip(prompts, samples):
+        left, right = prompt_width - len(prompt), completion_width - len(ids)
+        rows.append([pad_id] * left + prompt + ids + [pad_id] * right)
+        attn.append([0] * left + [1] * (len(prompt) + len(ids)) + [0] * right)
+        cmask.append([1] * len(ids) + [0] * right)
+        engine_logp.append((logprobs or [0.0] * len(ids)) + [0.0] * right)
+    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    return {"input_ids": as_tensor(rows, torch.long), "attention_mask": as_tensor(attn, torch.long),
+            "completion_mask": as_tensor(cmask, torch.float32), "engine_logp": as_tensor(engine_logp, torch.float32),
+            "prompt_width": prompt_width}
+
+
+def slice_batch(batch, idx):
+    return {k: v[idx] if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -2,6 +2,7 @@
 moment leaves a complete one on disk), the Hugging Face model folder, and the one-sync-per-step metric reduction."""
 
 import json
+import logging
 import os
 import shutil
 
@@ -39,6 +40,82 @@ def find_checkpoint(run_dir):
         if os.path.exists(os.path.join(run_dir, name, "step.json")):
             return os.path.join(run_dir, name)
     return None
+
+
+def quiet_libraries():
+    """No per-save "Removed shared tensor" notes, no loading bars, no note that the tied lm_head is re-tied on load."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+
+
+def write_eval_only(accelerator, run_dir, model, result):
+    """--eval_only results go to their own file: a training run's metrics.jsonl is never touched."""
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "eval_only.jsonl"), "a") as f:
+            f.write(json.dumps({"model": model, **result}) + "\n")
+    accelerator.print(json.dumps(result))
+
+
+def resume_checkpoint(run_dir, args):
+    """The checkpoint --resume continues, or None for a new run; a new run never overwrites a checkpoint."""
+    checkpoint = find_checkpoint(run_dir)
+    if checkpoint and not args.resume and not args.eval_only:
+        raise ValueError(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
+    if args.resume and not checkpoint:
+        raise ValueError(f"--resume: {run_dir} has no checkpoint; check --exp_name/--seed, or drop --resume")
+    return checkpoint if args.resume else None
+
+
+def load_checkpoint(accelerator, checkpoint):
+    """Restore model, optimizer and RNG states; returns the first step still to run."""
+    accelerator.load_state(checkpoint)
+    with open(os.path.join(checkpoint, "step.json")) as f:
+        step = json.load(f)["step"]
+    accelerator.print(f"resumed from {checkpoint} at step {step + 1}")
+    return step + 1
+
+
+def open_metrics(accelerator, run_dir, args, start_step):
+    """metrics.jsonl (the main process's handle; None elsewhere) without the steps logged after the checkpoint a run
+    resumes from, args.json beside it, and the wandb run (--track)."""
+    os.makedirs(run_dir, exist_ok=True)
+    if not accelerator.is_main_process:
+        return None
+    path = os.path.join(run_dir, "metrics.jsonl")
+    kept = [line for line in open(path) if json.loads(line).get("step", start_step) < start_step] if (
+        start_step > 1 and os.path.exists(path)) else []
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(vars(args), f, indent=1)
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=os.path.basename(run_dir), config=vars(args),
+                   id=os.path.basename(run_dir), resume="allow")
+    metrics_file = open(path, "w")
+    metrics_file.writelines(kept)
+    return metrics_file
+
+
+def log_metrics(metrics_file, metrics, track):
+    """One line of metrics.jsonl (flushed: a crash loses no logged step), and wandb."""
+    metrics_file.write(json.dumps(metrics) + "\n")
+    metrics_file.flush()
+    if track:
+        import wandb
+
+        wandb.log(metrics, step=metrics["step"])
+
+
+def close_metrics(metrics_file, track):
+    metrics_file.close()
+    if track:
+        import wandb
+
+        wandb.finish()
 
 
 def reduce_metrics(accelerator, sums=(), means=(), maxes=()):

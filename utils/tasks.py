@@ -191,3 +191,19 @@ def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=5
         if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_length:
             kept.append({"prompt": prompt, "question": row["prompt"], "answer": row["answer"]})
     return kept, {"dropped_gold": dropped_gold, "dropped_long": len(rows) - len(kept)}
+
+
+def load_splits(args, tokenizer, num_processes):
+    """The run's train and test rows (none for --eval_only), each checked against the run's sizes, and a one-line
+    summary of what was dropped at load time."""
+    test, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
+                                  args.eval_size)
+    train, train_counts = ([], {}) if args.eval_only else load_task(
+        args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+    if not args.eval_only and len(train) < args.prompts_per_step:
+        raise ValueError(f"only {len(train)} train prompts: lower --prompts_per_step below that")
+    if (args.eval_every or args.eval_only) and len(test) < num_processes:
+        raise ValueError(f"{len(test)} test prompts for {num_processes} processes: pass --eval_every 0, or a task "
+                         "with more test rows")
+    return train, test, (f"task {args.task}: {len(train)} train / {len(test)} test prompts; dropped at load: train "
+                         f"{train_counts}, test {test_counts}; {num_processes} process(es)")

