@@ -30,12 +30,12 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from utils.checks import check_args, check_lengths
+from utils.checks import check_lengths, resolve_args
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, make_batch, slice_batch
 from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
                         resume_checkpoint, save_checkpoint, save_model, write_eval_only)
-from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_splits
+from utils.tasks import TOY_MODEL_DIR, load_splits
 
 
 @dataclass
@@ -146,28 +146,6 @@ class Args:
     """continue the run from its checkpoint"""
     log_completions_every: int = 25
     """print a few sample completions every N steps"""
-
-
-# ---- Arguments ------------------------------------------------------------------------------------------------------
-
-
-EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
-REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
-
-
-def resolve_args(args, num_processes=1):
-    """Fill the defaults that depend on the model, then check every argument (the shared checks in utils/checks.py,
-    then this algorithm's) before any heavy work starts: bad input becomes one line that says what to change."""
-    toy = is_toy_shaped(args.model)  # the embedded model, or one trained from it
-    defaults = EMBEDDED_DEFAULTS if toy else REAL_MODEL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.task == "toy":
-        args.answer_format = "answer_tags"
-    check_args(args, num_processes)
-    check_algorithm_args(args, num_processes)
-    return args
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
@@ -551,7 +529,7 @@ def main(args):
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
     # Bad input fails here, in one line, before the models load.
     try:
-        args = resolve_args(args, accelerator.num_processes)
+        args = resolve_args(args, check_algorithm_args, accelerator.num_processes)
         checkpoint = resume_checkpoint(run_dir, args)
         tokenizer = load_tokenizer(args)
         check_lengths(args)

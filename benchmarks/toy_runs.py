@@ -3,7 +3,8 @@
     python benchmarks/toy_runs.py                       # grpo (paper defaults), 3 seeds, 200 steps
     python benchmarks/toy_runs.py --variants grpo dr_grpo token_mean --seeds 1 2 3
     python benchmarks/toy_runs.py --variants grpo vllm_cpu --seeds 1 --steps 60   # engine step-time ratio
-    python benchmarks/toy_runs.py --variants grpo dapo gspo cispo reinforce_pp reinforce_pp_baseline --jobs 2  # family
+    python benchmarks/toy_runs.py --variants grpo dapo gspo cispo reinforce_pp reinforce_pp_baseline ppo --jobs 2
+    python benchmarks/toy_runs.py --variants ppo ppo_groups ppo_256_prompts ppo_1_epoch --steps 80 --jobs 2
 
 Runs the algorithm scripts in subprocesses (one CPU thread each; --jobs N at a time), reads each run's metrics.jsonl, and writes
 benchmarks/results/<name>.md (+ .png when matplotlib is installed). Timings are medians over steps, compared as
@@ -34,6 +35,10 @@ VARIANTS = {  # name: (script, flags)
     "cispo": ("cispo.py", []),
     "reinforce_pp": ("reinforce_pp.py", []),
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
+    "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
+    "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
+    "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch
+    "ppo_1_epoch": ("ppo.py", ["--prompts_per_step", "256", "--num_epochs", "1", "--num_minibatches", "4"]),
 }
 PHASES = ["time/rollout", "time/score", "time/train", "time/step"]
 
@@ -68,7 +73,7 @@ def summarize(result):
         "length_first5": np.mean([r["charts/completion_length"] for r in rows[:5]]),
         "length_last5": np.mean([r["charts/completion_length"] for r in rows[-5:]]),
         "greedy_end": evals[-1]["eval/pass@1_greedy"], "sampled_end": evals[-1][sampled_key],
-        "gap_max": max(r["rollout/logprob_gap_max"] for r in rows),
+        "gap_max": max(r.get("rollout/logprob_gap_max", 0.0) for r in rows),  # dapo: absent when nothing trained
         **{p: np.median([r[p] for r in rows]) for p in PHASES},
         "wall_s": result["wall_s"],
     }

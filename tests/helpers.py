@@ -24,6 +24,13 @@ def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True,
     return proc, rows
 
 
+def resolved(module, **overrides):
+    """An algorithm script's Args with these overrides, defaults filled and checked as at the start of a run."""
+    from utils.checks import resolve_args
+
+    return resolve_args(module.Args(**overrides), module.check_algorithm_args)
+
+
 def assert_same_loss_and_gradient(loss, expected, wrt, atol=1e-6):
     """A loss and an independent reference written in the test agree in value and in gradient with respect to wrt."""
     import pytest

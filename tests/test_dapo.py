@@ -13,8 +13,9 @@ import torch
 
 import dapo
 import grpo
-from tests.helpers import ROOT, SMALL, assert_same_loss_and_gradient, run_grpo
+from tests.helpers import ROOT, SMALL, assert_same_loss_and_gradient, resolved, run_grpo
 from tests.test_grpo_loss import random_batch
+from utils.checks import resolve_args
 
 DAPO_SMALL = [*SMALL, "--micro_batch_size", "4"]  # 16 completions a step, 4 mini-batches of 4
 
@@ -120,12 +121,12 @@ def test_informative_groups_and_how_many_each_process_trains_on():
 ])
 def test_bad_arguments(overrides, message):
     with pytest.raises(ValueError) as error:
-        dapo.resolve_args(dapo.Args(**overrides))
+        resolved(dapo, **overrides)
     assert message in str(error.value)
     with pytest.raises(ValueError, match="must divide by the 2 processes"):
-        dapo.resolve_args(dapo.Args(prompts_per_step=4, gen_prompts_per_step=5, num_generations=4,
-                                    micro_batch_size=2), num_processes=2)
-    args = dapo.resolve_args(dapo.Args())
+        resolve_args(dapo.Args(prompts_per_step=4, gen_prompts_per_step=5, num_generations=4,
+                                    micro_batch_size=2), dapo.check_algorithm_args, num_processes=2)
+    args = resolved(dapo)
     assert (args.gen_prompts_per_step, args.overlong_buffer, args.max_new_tokens) == (32, 9, 48)
 
 

@@ -10,12 +10,13 @@ import torch
 from accelerate import Accelerator
 
 import grpo
+from tests.helpers import resolved
 
 PROMPTS = ["12+34=", "07+45=", "99+99=", "5+5="]  # the last one is shorter: left padding is exercised
 
 
 def setup(model_dir=None, **overrides):
-    args = grpo.resolve_args(grpo.Args(**overrides))
+    args = resolved(grpo, **overrides)
     if model_dir is not None:
         args.model = str(model_dir)
     accelerator = Accelerator(cpu=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import grpo
-from tests.helpers import ROOT, SMALL, run_grpo
+from tests.helpers import ROOT, SMALL, resolved, run_grpo
 from utils.runs import find_checkpoint
 
 
@@ -36,13 +36,13 @@ def test_help_documents_every_argument():
 
 
 def test_real_models_do_not_inherit_toy_defaults(tmp_path):
-    args = grpo.resolve_args(grpo.Args())
+    args = resolved(grpo)
     assert args.learning_rate == 5e-4 and args.max_new_tokens == 48 and args.answer_format == "answer_tags"
-    real = grpo.resolve_args(grpo.Args(model=str(tmp_path), task="gsm8k"))
+    real = resolved(grpo, model=str(tmp_path), task="gsm8k")
     assert real.learning_rate == 1e-6 and real.max_new_tokens == 1024 and real.answer_format == "boxed"
-    assert grpo.resolve_args(grpo.Args(model=str(tmp_path), learning_rate=3e-6)).learning_rate == 3e-6
+    assert resolved(grpo, model=str(tmp_path), learning_rate=3e-6).learning_rate == 3e-6
     shutil.copytree(grpo.TOY_MODEL_DIR, tmp_path / "trained_from_the_toy")  # e.g. runs/grpo__1/final: same shape
-    trained = grpo.resolve_args(grpo.Args(model=str(tmp_path / "trained_from_the_toy")))
+    trained = resolved(grpo, model=str(tmp_path / "trained_from_the_toy"))
     assert trained.learning_rate == 5e-4 and trained.max_new_tokens == 48
 
 
@@ -68,11 +68,11 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
 ])
 def test_every_bad_argument_is_caught_before_heavy_work(overrides, message):
     with pytest.raises(ValueError) as error:
-        grpo.resolve_args(grpo.Args(**overrides))
+        resolved(grpo, **overrides)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
-    assert grpo.resolve_args(grpo.Args(total_steps=0, eval_only=True)).total_steps == 0  # eval-only trains nothing
-    assert grpo.resolve_args(grpo.Args(eval_size=0, eval_every=0)).eval_size == 0
+    assert resolved(grpo, total_steps=0, eval_only=True).total_steps == 0  # eval-only trains nothing
+    assert resolved(grpo, eval_size=0, eval_every=0).eval_size == 0
 
 
 @pytest.mark.parametrize("flags, message", [  # one per kind of check; the rest are tested in process above

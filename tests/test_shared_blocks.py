@@ -11,8 +11,10 @@ SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py
 HEADER = re.compile(r"^# ---- (.+?) -+$", re.MULTILINE)
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
+    "Policy update": ("ppo.py",),  # the critic's value-loss step beside the policy's, on the same mini-batches
     "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
-                      "dapo.py"),  # dynamic sampling: generation rounds until enough groups have distinct rewards
+                      "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
+                      "ppo.py"),  # the critic: its values, per-token rewards, GAE
 }
 
 

