@@ -35,6 +35,8 @@ VARIANTS = {  # name: (script, flags)
     "cispo": ("cispo.py", []),
     "reinforce_pp": ("reinforce_pp.py", []),
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
+    "gdpo": ("grpo.py", ["--reward_norm", "normalize_then_sum"]),  # accuracy and format normalized separately
+    "top_entropy": ("grpo.py", ["--top_entropy_frac", "0.2"]),  # the policy gradient of the top 20 % tokens only
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch
@@ -70,6 +72,8 @@ def summarize(result):
     sampled_key = next(k for k in evals[-1] if k.startswith("eval/pass@1_sampled"))
     return {
         "reward_first5": np.mean(rewards[:5]), "reward_last5": np.mean(rewards[-5:]),
+        "accuracy_last5": np.mean([r["charts/accuracy"] for r in rows[-5:]]),
+        "format_last5": np.mean([r["charts/format"] for r in rows[-5:]]),
         "length_first5": np.mean([r["charts/completion_length"] for r in rows[:5]]),
         "length_last5": np.mean([r["charts/completion_length"] for r in rows[-5:]]),
         "greedy_end": evals[-1]["eval/pass@1_greedy"], "sampled_end": evals[-1][sampled_key],
@@ -103,11 +107,13 @@ def main():
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}{' --name ' + args.name if args.name else ''}"
              f"{' --reuse' if args.reuse else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
-             "| variant | seed | reward first 5 | reward last 5 | length first 5 | length last 5 | greedy pass@1 end "
-             "| sampled pass@1 end | max logprob gap | median step s | wall s |", "|" + "---|" * 11]
+             "| variant | seed | reward first 5 | reward last 5 | accuracy last 5 | format last 5 | length first 5 | "
+             "length last 5 | greedy pass@1 end | sampled pass@1 end | max logprob gap | median step s | wall s |",
+             "|" + "---|" * 13]
     for t in table:
         lines.append(f"| {t['variant']} | {t['seed']} | {t['reward_first5']:.3f} | {t['reward_last5']:.3f} | "
-                     f"{t['length_first5']:.1f} | {t['length_last5']:.1f} | {t['greedy_end']:.3f} | "
+                     f"{t['accuracy_last5']:.3f} | {t['format_last5']:.3f} | {t['length_first5']:.1f} | "
+                     f"{t['length_last5']:.1f} | {t['greedy_end']:.3f} | "
                      f"{t['sampled_end']:.3f} | {t['gap_max']:.1e} | {t['time/step']:.3f} | {t['wall_s']:.0f} |")
     lines += ["", f"Median phase times relative to `{args.variants[0]}` (same invocation, medians over steps, "
               "then over seeds):", "", "| variant | " + " | ".join(p[5:] for p in PHASES) + " |",
@@ -129,7 +135,7 @@ def main():
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, (ax_reward, ax_length, ax_wall) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, (ax_reward, ax_parts, ax_length, ax_wall) = plt.subplots(1, 4, figsize=(21, 4))
     for v in args.variants:
         mine = [res["rows"] for res in results if res["variant"] == v]
         curves = np.array([[r["charts/reward"] for r in rows] for rows in mine])
@@ -140,8 +146,12 @@ def main():
             ax.plot(steps, data.mean(0), label=f"{v} ({len(data)} seeds)")
             ax.fill_between(steps, data.min(0), data.max(0), alpha=0.2)
         ax_wall.plot(wall.mean(0), curves.mean(0), label=v)
+        for key, style in (("charts/accuracy", "-"), ("charts/format", "--")):
+            part = np.array([[r[key] for r in rows] for rows in mine]).mean(0)
+            ax_parts.plot(steps, part, style, color=ax_wall.lines[-1].get_color(), label=f"{v} {key[7:]}")
     ax_reward.set(xlabel="step", ylabel="mean reward (accuracy + 0.1 format)", title="toy addition, reward")
     ax_length.set(xlabel="step", ylabel="completion tokens", title="completion length")
+    ax_parts.set(xlabel="step", ylabel="mean over seeds", title="accuracy (solid) and format (dashed)")
     ax_wall.set(xlabel="seconds (sum of step and eval times)", ylabel="mean reward", title="reward over wall time")
     ax_reward.legend()
     fig.tight_layout()
