@@ -65,7 +65,17 @@ def run(variant, seed, steps, out_dir, extra, reuse=False):
     return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
 
 
-def summarize(result):
+def seconds_to(rows, target, window=10):
+    """Training seconds (step times, evaluation excluded) until the `window`-step moving average of the reward first
+    reaches `target`; None if it never does."""
+    rewards, elapsed = np.array([r["charts/reward"] for r in rows]), np.cumsum([r["time/step"] for r in rows])
+    for end in range(window, len(rows) + 1):
+        if rewards[end - window:end].mean() >= target:
+            return float(elapsed[end - 1])
+    return None
+
+
+def summarize(result, target):
     rows = result["rows"]
     rewards = [r["charts/reward"] for r in rows]
     evals = [r for r in rows if "eval/pass@1_greedy" in r]
@@ -79,7 +89,7 @@ def summarize(result):
         "greedy_end": evals[-1]["eval/pass@1_greedy"], "sampled_end": evals[-1][sampled_key],
         "gap_max": max(r.get("rollout/logprob_gap_max", 0.0) for r in rows),  # dapo: absent when nothing trained
         **{p: np.median([r[p] for r in rows]) for p in PHASES},
-        "wall_s": result["wall_s"],
+        "wall_s": result["wall_s"], "to_target_s": seconds_to(rows, target),
     }
 
 
@@ -91,6 +101,7 @@ def main():
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one CPU thread)")
     parser.add_argument("--name", default=None, help="results file name (default: the variants joined)")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("--target", type=float, default=0.9, help="reward level for the time-to-reward column")
     parser.add_argument("--reuse", action="store_true", help="read runs of the same command that finished earlier in "
                         "--out_dir instead of rerunning them (their timings were measured then, under that load)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo.py flags for every run")
@@ -101,27 +112,36 @@ def main():
     with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 2 on 2 cores: one thread per run, two runs at a time
         results = list(pool.map(lambda vs: run(*vs, args.steps, out_dir, extra, args.reuse),
                                 [(v, s) for v in args.variants for s in args.seeds]))
-    table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r)} for r in results]
+    table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r, args.target)} for r in results]
 
     base = [t for t in table if t["variant"] == args.variants[0]]
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}{' --name ' + args.name if args.name else ''}"
-             f"{' --reuse' if args.reuse else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             f"{' --reuse' if args.reuse else ''}{f' --target {args.target}' if args.target != 0.9 else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
              "| variant | seed | reward first 5 | reward last 5 | accuracy last 5 | format last 5 | length first 5 | "
-             "length last 5 | greedy pass@1 end | sampled pass@1 end | max logprob gap | median step s | wall s |",
-             "|" + "---|" * 13]
+             f"length last 5 | greedy pass@1 end | sampled pass@1 end | max logprob gap | median step s | wall s | "
+             f"s to reward {args.target} |", "|" + "---|" * 14]
     for t in table:
         lines.append(f"| {t['variant']} | {t['seed']} | {t['reward_first5']:.3f} | {t['reward_last5']:.3f} | "
                      f"{t['accuracy_last5']:.3f} | {t['format_last5']:.3f} | {t['length_first5']:.1f} | "
                      f"{t['length_last5']:.1f} | {t['greedy_end']:.3f} | "
-                     f"{t['sampled_end']:.3f} | {t['gap_max']:.1e} | {t['time/step']:.3f} | {t['wall_s']:.0f} |")
+                     f"{t['sampled_end']:.3f} | {t['gap_max']:.1e} | {t['time/step']:.3f} | {t['wall_s']:.0f} | "
+                     f"{'never' if t['to_target_s'] is None else round(t['to_target_s'])} |")
     lines += ["", f"Median phase times relative to `{args.variants[0]}` (same invocation, medians over steps, "
-              "then over seeds):", "", "| variant | " + " | ".join(p[5:] for p in PHASES) + " |",
-              "|" + "---|" * (len(PHASES) + 1)]
+              f"then over seeds; time to reward: median over seeds of the seconds until the 10-step mean reward "
+              f"reached {args.target}):", "", "| variant | " + " | ".join(p[5:] for p in PHASES) + " | to reward |",
+              "|" + "---|" * (len(PHASES) + 2)]
+
+    def median_to_target(rows):  # None when a seed never reached it
+        times = [t["to_target_s"] for t in rows]
+        return None if None in times else np.median(times)
+
     for v in args.variants:
         rows = [t for t in table if t["variant"] == v]
         ratios = [np.median([t[p] for t in rows]) / np.median([t[p] for t in base]) for p in PHASES]
-        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+        to_v, to_base = median_to_target(rows), median_to_target(base)
+        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " | " +
+                     (f"{to_v / to_base:.2f}x" if to_v is not None and to_base else "n/a") + " |")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     path = os.path.join(ROOT, "benchmarks", "results", name)
     with open(path + ".md", "w") as f:
