@@ -32,7 +32,7 @@ import torch
 
 from utils.checks import check_lengths, resolve_args
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
-from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, group_advantages, make_batch, slice_batch
+from utils.rl import LOSS_AGGREGATIONS, aggregate_loss, entropy_threshold, group_advantages, make_batch, slice_batch
 from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
                         resume_checkpoint, save_checkpoint, save_model, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
@@ -125,6 +125,8 @@ class Args:
     """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
     reward_memory_mb: int = 1024
     """memory one math-verify worker may add before its check fails (scores 0, counted)"""
+    top_entropy_frac: float = 1.0
+    """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
     tis_cap: float = 0.0
     """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
     # evaluation and checkpoints
@@ -293,12 +295,13 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, micro_batch_size):
-    """Trainer log-probs of a whole rollout batch, micro-batch by micro-batch (old and reference log-probs)."""
-    return torch.cat([token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
-                                     batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"],
-                                     temperature)[0]
-                      for i in range(0, len(batch["input_ids"]), micro_batch_size)])
+def batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False):
+    """Trainer log-probs (pi_old, pi_ref) of a rollout batch by micro-batches; with_entropy: (log-probs, entropies)."""
+    out = [token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
+                          batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"], temperature,
+                          with_entropy) for i in range(0, len(batch["input_ids"]), micro_batch_size)]
+    logp = torch.cat([logp for logp, _ in out])
+    return (logp, torch.cat([entropy for _, entropy in out])) if with_entropy else logp
 
 
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
@@ -453,14 +456,16 @@ def update_policy(args, model, optimizer, batch, accelerator):
     pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
     not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
     forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
-    count the whole mini-batch over all processes. Returns (the pi_old log-probs the loss used, statistics grouped by
-    how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer step whose
-    loss or gradient norm is not finite, so NaN never reaches the weights.
+    count the whole mini-batch over all processes. With pi_old's entropies in the batch (--top_entropy_frac), the
+    policy gradient flows through the mini-batch's top tokens by entropy only, the threshold taken over all its
+    tokens on every process (the KL term keeps every token). Returns (the pi_old log-probs the loss used, statistics
+    grouped by how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer
+    step whose loss or gradient norm is not finite, so NaN never reaches the weights.
     """
     n = len(batch["advantages"])
     size = n // args.num_minibatches
     old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
-    sums, maxes, grad_norms = {}, {}, []
+    sums, maxes, grad_norms, thresholds = {}, {}, [], []
     for epoch in range(args.num_epochs):
         order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
         for mb_start in range(0, n, size):
@@ -468,6 +473,11 @@ def update_policy(args, model, optimizer, batch, accelerator):
             mb = slice_batch(batch, mb_rows)
             num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
                 float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
+            if mb.get("old_entropy") is not None:
+                thresholds.append(entropy_threshold(mb["old_entropy"], mb["completion_mask"], args.top_entropy_frac,
+                                                    lambda t: accelerator.gather(accelerator.pad_across_processes(
+                                                        t, pad_index=float("nan")))))
+                mb["pg_mask"] = (mb["old_entropy"] >= thresholds[-1]).float()
             mb_loss = 0.0
             for mc_start in range(0, size, args.micro_batch_size):
                 mc_rows = slice(mc_start, mc_start + args.micro_batch_size)
@@ -481,6 +491,8 @@ def update_policy(args, model, optimizer, batch, accelerator):
                     old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
                     is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
                         args.tis_cap > 0) else None
+                    if "pg_mask" in mc:  # compute_loss weighs the policy-gradient term by is_weights, not the KL
+                        is_weights = mc["pg_mask"] * (1.0 if is_weights is None else is_weights)
                     loss, token_means, mc_maxes = compute_loss(
                         logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
                         **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
@@ -491,6 +503,8 @@ def update_policy(args, model, optimizer, batch, accelerator):
                 mb_loss = mb_loss + loss.detach()
                 token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
                 token_means["losses/entropy"] = entropy[m].sum() / num_tokens
+                if "pg_mask" in mc:
+                    token_means["policy/entropy_kept_frac"] = mc["pg_mask"][m].sum() / num_tokens
                 if epoch == 0 and mb_start == 0:
                     mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
                     ).mul(m).max()
@@ -506,8 +520,10 @@ def update_policy(args, model, optimizer, batch, accelerator):
             grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return old_logp_used, {"sums": sums, "means": {"policy/grad_norm": torch.stack(grad_norms).mean()},
-                           "maxes": maxes}
+    means = {"policy/grad_norm": torch.stack(grad_norms).mean()}
+    if thresholds:  # the same on every process
+        means["policy/entropy_threshold"] = torch.stack(thresholds).mean()
+    return old_logp_used, {"sums": sums, "means": means, "maxes": maxes}
 
 
 # ---- Training loop --------------------------------------------------------------------------------------------------
@@ -561,7 +577,8 @@ def main(args):
     prompts_local, round_local = args.prompts_per_step // world, args.gen_prompts_per_step // world
     # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1); otherwise
     # update_policy's first forward pass gives it (one pass saved).
-    old_logp_pass = args.num_epochs * args.num_minibatches > 1
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (
+        args.top_entropy_frac < 1)  # the entropy threshold needs the whole batch's entropies before the update
     progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                     disable=not accelerator.is_main_process, dynamic_ncols=True)
     for step in progress:
@@ -610,7 +627,10 @@ def main(args):
             mask = batch["completion_mask"]
             if args.overlong_filtering:  # truncated completions leave the loss and its normalizer
                 batch["completion_mask"] = mask * torch.tensor([[not t] for *_, t in samples], device=mask.device)
-            if old_logp_pass:
+            if old_logp_pass and args.top_entropy_frac < 1:
+                batch["old_logp"], batch["old_entropy"] = batched_logprobs(model, batch, args.temperature,
+                                                                           args.micro_batch_size, with_entropy=True)
+            elif old_logp_pass:
                 batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size)
             all_rewards = accelerator.gather(torch.cat([g["reward"] for g in kept]).to(accelerator.device))
             advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps).view(world, -1)[rank]

@@ -110,8 +110,6 @@ class Args:
     """divide the per-token rewards by their std over the batch (not mean-shifted; lm-human-preferences: on)"""
     score_clip: float = 0.0
     """> 0: clip the task reward to [-score_clip, score_clip] (PPO-max)"""
-    adv_eps: float = 1e-8
-    """added to the std of the advantage whitening"""
     format_reward_weight: float = 0.1
     """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
     reward_timeout: float = 5.0
@@ -149,7 +147,7 @@ class Args:
 def check_algorithm_args(args, num_processes=1):
     """PPO's own argument checks and defaults (called by resolve_args)."""
     args.critic_learning_rate = args.critic_learning_rate or args.learning_rate
-    for name in ("beta", "kl_target", "value_clip", "score_clip", "clip_eps_low", "clip_eps_high", "adv_eps"):
+    for name in ("beta", "kl_target", "value_clip", "score_clip", "clip_eps_low", "clip_eps_high"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} {getattr(args, name)}: must be >= 0")
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1) or args.critic_learning_rate <= 0 or args.kl_horizon < 1:
@@ -303,12 +301,13 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, micro_batch_size):
-    """Trainer log-probs of a whole rollout batch, micro-batch by micro-batch (old and reference log-probs)."""
-    return torch.cat([token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
-                                     batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"],
-                                     temperature)[0]
-                      for i in range(0, len(batch["input_ids"]), micro_batch_size)])
+def batched_logprobs(model, batch, temperature, micro_batch_size, with_entropy=False):
+    """Trainer log-probs (pi_old, pi_ref) of a rollout batch by micro-batches; with_entropy: (log-probs, entropies)."""
+    out = [token_logprobs(model, batch["input_ids"][i:i + micro_batch_size],
+                          batch["attention_mask"][i:i + micro_batch_size], batch["prompt_width"], temperature,
+                          with_entropy) for i in range(0, len(batch["input_ids"]), micro_batch_size)]
+    logp = torch.cat([logp for logp, _ in out])
+    return (logp, torch.cat([entropy for _, entropy in out])) if with_entropy else logp
 
 
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
@@ -630,7 +629,7 @@ def main(args):
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=all_reduce) * mask
         advantages, batch["returns"] = gae(rewards, batch["old_values"], mask, args.gamma, args.lam)
-        batch["advantages"] = masked_whiten(advantages, mask, eps=args.adv_eps, all_reduce=all_reduce) * mask
+        batch["advantages"] = masked_whiten(advantages, mask, all_reduce=all_reduce) * mask
         # 4. mu = num_epochs * num_minibatches optimizer steps for the policy and the critic; a NaN stops the run
         #    before it is saved. Then beta adapts to the rollout's KL (when --kl_target is set).
         try:

@@ -35,6 +35,8 @@ VARIANTS = {  # name: (script, flags)
     "cispo": ("cispo.py", []),
     "reinforce_pp": ("reinforce_pp.py", []),
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
+    "gdpo": ("grpo.py", ["--reward_norm", "normalize_then_sum"]),  # accuracy and format normalized separately
+    "top_entropy": ("grpo.py", ["--top_entropy_frac", "0.2"]),  # the policy gradient of the top 20 % tokens only
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch
@@ -63,19 +65,31 @@ def run(variant, seed, steps, out_dir, extra, reuse=False):
     return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
 
 
-def summarize(result):
+def seconds_to(rows, target, window=10):
+    """Training seconds (step times, evaluation excluded) until the `window`-step moving average of the reward first
+    reaches `target`; None if it never does."""
+    rewards, elapsed = np.array([r["charts/reward"] for r in rows]), np.cumsum([r["time/step"] for r in rows])
+    for end in range(window, len(rows) + 1):
+        if rewards[end - window:end].mean() >= target:
+            return float(elapsed[end - 1])
+    return None
+
+
+def summarize(result, target):
     rows = result["rows"]
     rewards = [r["charts/reward"] for r in rows]
     evals = [r for r in rows if "eval/pass@1_greedy" in r]
     sampled_key = next(k for k in evals[-1] if k.startswith("eval/pass@1_sampled"))
     return {
         "reward_first5": np.mean(rewards[:5]), "reward_last5": np.mean(rewards[-5:]),
+        "accuracy_last5": np.mean([r["charts/accuracy"] for r in rows[-5:]]),
+        "format_last5": np.mean([r["charts/format"] for r in rows[-5:]]),
         "length_first5": np.mean([r["charts/completion_length"] for r in rows[:5]]),
         "length_last5": np.mean([r["charts/completion_length"] for r in rows[-5:]]),
         "greedy_end": evals[-1]["eval/pass@1_greedy"], "sampled_end": evals[-1][sampled_key],
         "gap_max": max(r.get("rollout/logprob_gap_max", 0.0) for r in rows),  # dapo: absent when nothing trained
         **{p: np.median([r[p] for r in rows]) for p in PHASES},
-        "wall_s": result["wall_s"],
+        "wall_s": result["wall_s"], "to_target_s": seconds_to(rows, target),
     }
 
 
@@ -87,6 +101,7 @@ def main():
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each uses one CPU thread)")
     parser.add_argument("--name", default=None, help="results file name (default: the variants joined)")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("--target", type=float, default=0.9, help="reward level for the time-to-reward column")
     parser.add_argument("--reuse", action="store_true", help="read runs of the same command that finished earlier in "
                         "--out_dir instead of rerunning them (their timings were measured then, under that load)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo.py flags for every run")
@@ -97,25 +112,36 @@ def main():
     with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 2 on 2 cores: one thread per run, two runs at a time
         results = list(pool.map(lambda vs: run(*vs, args.steps, out_dir, extra, args.reuse),
                                 [(v, s) for v in args.variants for s in args.seeds]))
-    table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r)} for r in results]
+    table = [{"variant": r["variant"], "seed": r["seed"], **summarize(r, args.target)} for r in results]
 
     base = [t for t in table if t["variant"] == args.variants[0]]
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}{' --name ' + args.name if args.name else ''}"
-             f"{' --reuse' if args.reuse else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
-             "| variant | seed | reward first 5 | reward last 5 | length first 5 | length last 5 | greedy pass@1 end "
-             "| sampled pass@1 end | max logprob gap | median step s | wall s |", "|" + "---|" * 11]
+             f"{' --reuse' if args.reuse else ''}{f' --target {args.target}' if args.target != 0.9 else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             "| variant | seed | reward first 5 | reward last 5 | accuracy last 5 | format last 5 | length first 5 | "
+             f"length last 5 | greedy pass@1 end | sampled pass@1 end | max logprob gap | median step s | wall s | "
+             f"s to reward {args.target} |", "|" + "---|" * 14]
     for t in table:
         lines.append(f"| {t['variant']} | {t['seed']} | {t['reward_first5']:.3f} | {t['reward_last5']:.3f} | "
-                     f"{t['length_first5']:.1f} | {t['length_last5']:.1f} | {t['greedy_end']:.3f} | "
-                     f"{t['sampled_end']:.3f} | {t['gap_max']:.1e} | {t['time/step']:.3f} | {t['wall_s']:.0f} |")
+                     f"{t['accuracy_last5']:.3f} | {t['format_last5']:.3f} | {t['length_first5']:.1f} | "
+                     f"{t['length_last5']:.1f} | {t['greedy_end']:.3f} | "
+                     f"{t['sampled_end']:.3f} | {t['gap_max']:.1e} | {t['time/step']:.3f} | {t['wall_s']:.0f} | "
+                     f"{'never' if t['to_target_s'] is None else round(t['to_target_s'])} |")
     lines += ["", f"Median phase times relative to `{args.variants[0]}` (same invocation, medians over steps, "
-              "then over seeds):", "", "| variant | " + " | ".join(p[5:] for p in PHASES) + " |",
-              "|" + "---|" * (len(PHASES) + 1)]
+              f"then over seeds; time to reward: median over seeds of the seconds until the 10-step mean reward "
+              f"reached {args.target}):", "", "| variant | " + " | ".join(p[5:] for p in PHASES) + " | to reward |",
+              "|" + "---|" * (len(PHASES) + 2)]
+
+    def median_to_target(rows):  # None when a seed never reached it
+        times = [t["to_target_s"] for t in rows]
+        return None if None in times else np.median(times)
+
     for v in args.variants:
         rows = [t for t in table if t["variant"] == v]
         ratios = [np.median([t[p] for t in rows]) / np.median([t[p] for t in base]) for p in PHASES]
-        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+        to_v, to_base = median_to_target(rows), median_to_target(base)
+        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " | " +
+                     (f"{to_v / to_base:.2f}x" if to_v is not None and to_base else "n/a") + " |")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     path = os.path.join(ROOT, "benchmarks", "results", name)
     with open(path + ".md", "w") as f:
@@ -129,7 +155,7 @@ def main():
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, (ax_reward, ax_length, ax_wall) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, (ax_reward, ax_parts, ax_length, ax_wall) = plt.subplots(1, 4, figsize=(21, 4))
     for v in args.variants:
         mine = [res["rows"] for res in results if res["variant"] == v]
         curves = np.array([[r["charts/reward"] for r in rows] for rows in mine])
@@ -140,8 +166,12 @@ def main():
             ax.plot(steps, data.mean(0), label=f"{v} ({len(data)} seeds)")
             ax.fill_between(steps, data.min(0), data.max(0), alpha=0.2)
         ax_wall.plot(wall.mean(0), curves.mean(0), label=v)
+        for key, style in (("charts/accuracy", "-"), ("charts/format", "--")):
+            part = np.array([[r[key] for r in rows] for rows in mine]).mean(0)
+            ax_parts.plot(steps, part, style, color=ax_wall.lines[-1].get_color(), label=f"{v} {key[7:]}")
     ax_reward.set(xlabel="step", ylabel="mean reward (accuracy + 0.1 format)", title="toy addition, reward")
     ax_length.set(xlabel="step", ylabel="completion tokens", title="completion length")
+    ax_parts.set(xlabel="step", ylabel="mean over seeds", title="accuracy (solid) and format (dashed)")
     ax_wall.set(xlabel="seconds (sum of step and eval times)", ylabel="mean reward", title="reward over wall time")
     ax_reward.legend()
     fig.tight_layout()

@@ -14,6 +14,7 @@ import torch
 import ppo
 from tests.helpers import ROOT, assert_same_loss_and_gradient, resolved, run_grpo
 from tests.test_grpo_loss import random_batch
+from tests.test_reinforce_pp import reference_loss  # the token-level surrogate as loops
 from utils.rl import explained_variance, masked_whiten, token_rewards
 
 def assert_close(tensor, expected, atol=1e-6):
@@ -79,22 +80,12 @@ def test_advantage_whitening_over_the_batch_tokens():
     assert whitened[1, 2:].tolist() == [0, 0]
 
 
-def reference_policy_loss(logp, old_logp, adv, mask, eps):
-    total, count = 0.0, 0
-    for i in range(len(adv)):
-        for t in range(int(mask[i].sum())):
-            r = torch.exp(logp[i][t] - old_logp[i][t])
-            total = total + torch.min(r * adv[i][t], torch.clamp(r, 1 - eps, 1 + eps) * adv[i][t])
-            count += 1
-    return -total / count
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_policy_loss_and_gradient_match_a_per_token_loop(seed):
     logp, old, _, _, mask = random_batch(seed)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
     loss, _, _ = ppo.compute_loss(logp, old, adv, mask)
-    assert_same_loss_and_gradient(loss, reference_policy_loss(logp, old, adv, mask, 0.2), logp)
+    assert_same_loss_and_gradient(loss, reference_loss(logp, old, adv, mask, 0.2), logp)
 
 
 def test_on_policy_identity():

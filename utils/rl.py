@@ -65,6 +65,30 @@ def group_advantages(rewards, scale="group", eps=1e-6):
     return centered / (std + eps)
 
 
+def decoupled_group_advantages(parts, weights, num_generations, eps=1e-6):
+    """GDPO (arXiv 2601.05242): each reward function z-scored within its group first, then the weighted sum z-scored
+    over the batch; parts (N, K): K rewards of N completions in consecutive groups, weights (K,) -> advantages (N,).
+
+    GRPO z-scores the weighted sum instead, which gives every group with two distinct totals the same advantages
+    (0/1 accuracy with 0/1 format: (0,0) vs (1,1) and (0,0) vs (1,0) both become -+0.707). Unbiased std plus eps at
+    both levels, as TRL's normalize_then_sum (eps 1e-4; verl's GDPO uses 1e-6, the default here)."""
+    per_reward = torch.stack([group_advantages(parts[:, k].reshape(-1, num_generations), "group", eps).reshape(-1)
+                              for k in range(parts.shape[-1])], dim=-1)
+    summed = per_reward @ weights.to(per_reward.dtype)
+    return (summed - summed.mean()) / (summed.std() + eps)
+
+
+def entropy_threshold(entropy, mask, top_frac, gather_padded=None):
+    """The entropy at or above which lie the top_frac fraction of valid tokens (their 1 - top_frac quantile), for
+    training on high-entropy tokens only (arXiv 2506.01939). gather_padded, a function that collects every process's
+    1-D tensor padded with NaN, makes it the threshold over all processes' tokens."""
+    valid = entropy[mask.bool()].float()
+    if gather_padded is not None:
+        valid = gather_padded(valid)
+        valid = valid[~torch.isnan(valid)]
+    return torch.quantile(valid, 1 - top_frac)
+
+
 def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_reduce=None):
     """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
 

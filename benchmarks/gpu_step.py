@@ -1,0 +1,172 @@
+"""GRPO steps at a real model's shape: per-phase times, peak memory, what the vLLM engine's sleep frees, and the
+engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with HF generate, using grpo.py's own
+functions (create_engine, generate, batched_logprobs, update_policy).
+
+    python benchmarks/gpu_step.py                                  # one GPU: Qwen2.5-0.5B shape, 256 x 256 tokens
+    python benchmarks/gpu_step.py --shape tiny --engines hf --steps 2 --prompts 4 --new_tokens 16   # CPU check
+
+No hub: the model is a Qwen2 config with Qwen2.5-0.5B's sizes and random weights, saved locally with a word-level
+tokenizer of the same vocabulary; prompts are random token ids. Random weights almost never sample EOS (about
+1/151,936 per token), so completions run to --new_tokens: the forced length of the reference measurement (ALGORITHMS
+and shared/gpu/README.md: TRL colocated 6.6-9.1 s/step, vLLM alone 15.7k tokens/s on an H200). One JSON object per
+engine goes to --out and a table to stdout.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import grpo  # noqa: E402
+from utils.checks import resolve_args  # noqa: E402
+from utils.rl import make_batch  # noqa: E402
+from utils.runs import quiet_libraries  # noqa: E402
+
+SHAPES = {  # Qwen2.5-0.5B's config; tiny: the same architecture at a size a CPU runs in seconds
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=1024, max_position_embeddings=1024, rope_theta=1e4),  # head_dim 64
+}
+
+
+def build_model(shape, path):
+    """A Qwen2 model of the shape with random weights (seed 0) and a word-level tokenizer over its whole vocabulary."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    vocab = {f"<{i}>": i for i in range(config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<3>")),
+                                        bos_token="<0>", eos_token="<1>", pad_token="<2>", unk_token="<3>")
+    tokenizer.save_pretrained(path)
+
+
+def gpu_memory_gb():
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"used_gb": (total - free) / 2**30, "allocated_gb": torch.cuda.memory_allocated() / 2**30}
+
+
+def run_engine(engine_name, opts, model_dir):
+    from accelerate import Accelerator
+
+    on_gpu = torch.cuda.is_available()
+    args = resolve_args(grpo.Args(model=model_dir, task="toy", engine=engine_name, max_new_tokens=opts.new_tokens,
+                                  max_prompt_length=opts.prompt_len, num_generations=opts.generations,
+                                  prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
+                                  learning_rate=1e-6, beta=0.04, eval_every=0,
+                                  vllm_gpu_memory_utilization=opts.gpu_memory_utilization), grpo.check_algorithm_args)
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    tokenizer = grpo.load_tokenizer(args)
+    model = grpo.load_model(args, accelerator, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_model = grpo.load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
+    ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+    model.eval()
+    result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+              "memory_trainer_loaded": gpu_memory_gb()}
+    start = time.time()
+    engine = grpo.create_engine(args, accelerator)
+    result["engine_start_s"] = time.time() - start
+    if engine["llm"] is not None and engine["asleep"]:  # what sleep frees: the engine awake, then asleep again
+        result["memory_engine_asleep"] = gpu_memory_gb()
+        engine["llm"].wake_up()
+        result["memory_engine_awake"] = gpu_memory_gb()
+        start = time.time()
+        engine["llm"].sleep(level=args.vllm_sleep_level)
+        result["sleep_s"] = time.time() - start
+        engine["weights_version"] = None if args.vllm_sleep_level == 2 else engine["weights_version"]
+        result["memory_engine_slept"] = gpu_memory_gb()
+    generator = torch.Generator().manual_seed(1)
+    steps = []
+    for step in range(1, opts.steps + 1):
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        prompts = torch.randint(3, SHAPES[opts.shape]["vocab_size"], (opts.prompts, opts.prompt_len),
+                                generator=generator).tolist()
+        times = {"start": time.time()}
+        samples = grpo.generate(engine, model, tokenizer, prompts, opts.generations, 1.0, 1.0, opts.new_tokens,
+                                accelerator, policy_version=step - 1)
+        times["rollout"] = time.time()
+        batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples, tokenizer.pad_token_id,
+                           accelerator.device)
+        batch["ref_logp"] = grpo.batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        times["reference"] = time.time()
+        rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
+        batch["advantages"] = grpo.compute_advantages(rewards, opts.generations, "group", 1e-6)
+        old_logp, _ = grpo.update_policy(args, model, optimizer, batch, accelerator)
+        if on_gpu:
+            torch.cuda.synchronize()
+        times["train"] = time.time()
+        mask = batch["completion_mask"]
+        gap = (batch["engine_logp"] - old_logp).abs() * mask
+        tokens = int(mask.sum().item())
+        steps.append({"step": step, "rollout_s": times["rollout"] - times["start"],
+                      "weight_sync_s": engine.pop("sync_time", 0.0),
+                      "reference_s": times["reference"] - times["rollout"], "train_s": times["train"] - times["reference"],
+                      "step_s": times["train"] - times["start"], "tokens": tokens,
+                      "tokens_per_s": tokens / (times["rollout"] - times["start"]),
+                      "truncated_frac": sum(t for *_, t in samples) / len(samples),
+                      "logprob_gap_mean": (gap.sum() / mask.sum()).item(), "logprob_gap_max": gap.max().item(),
+                      "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None})
+    result["steps"] = steps
+    later = steps[1:] or steps  # the first step pays compilation and allocator warm-up
+    result["median"] = {k: statistics.median(s[k] for s in later) for k in
+                        ("rollout_s", "weight_sync_s", "reference_s", "train_s", "step_s", "tokens_per_s",
+                         "logprob_gap_mean")}
+    if engine["llm"] is not None:
+        del engine["llm"]
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--engines", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (x --generations sequences)")
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt_len", type=int, default=64)
+    parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--micro_batch_size", type=int, default=32)
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_step.jsonl"))
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    quiet_libraries()
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the H200 wheel set
+    results = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_model(opts.shape, model_dir)
+        for engine_name in opts.engines:
+            results.append(run_engine(engine_name, opts, model_dir))
+    os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+    with open(opts.out, "a") as f:
+        for r in results:
+            f.write(json.dumps({"shape": opts.shape, "time": time.strftime("%Y-%m-%d %H:%M"), **vars(opts), **r}) + "\n")
+    print("| engine | device | step s | rollout s | weight sync s | reference s | train s | tokens/s | gap mean | "
+          "engine start s |\n|" + "---|" * 10)
+    for r in results:
+        m = r["median"]
+        print(f"| {r['engine']} | {r['device']} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['weight_sync_s']:.3f} | "
+              f"{m['reference_s']:.2f} | {m['train_s']:.2f} | {m['tokens_per_s']:.0f} | {m['logprob_gap_mean']:.2e} | "
+              f"{r['engine_start_s']:.1f} |")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""benchmarks/gpu_step.py, the GPU benchmark, runs end to end at a tiny shape on the CPU (the HF engine; its vLLM
+path is the engine code tests/test_vllm_cpu.py covers): random-weight completions run to the forced length, the
+trainer reproduces the sampling log-probs, and every phase is timed."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_gpu_step_at_a_tiny_shape(tmp_path):
+    out = tmp_path / "gpu_step.jsonl"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--shape", "tiny", "--engines", "hf", "--steps",
+                           "2", "--prompts", "4", "--generations", "2", "--new_tokens", "16", "--prompt_len", "8",
+                           "--micro_batch_size", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = [json.loads(line) for line in open(out)]
+    assert result["engine"] == "hf" and len(result["steps"]) == 2 and "| hf | cpu |" in proc.stdout
+    for step in result["steps"]:
+        assert step["tokens"] == 4 * 2 * 16 and step["truncated_frac"] == 1.0  # the forced length
+        assert step["logprob_gap_max"] < 1e-4 and step["step_s"] >= step["rollout_s"] > 0

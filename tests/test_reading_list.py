@@ -1,0 +1,107 @@
+"""The reading-list switches of grpo.py (and of the scripts sharing its blocks): GDPO's decoupled reward normalization
+(ALGORITHMS.md §12.9) and training on high-entropy tokens only (arXiv 2506.01939), whose threshold is the whole
+mini-batch's, whatever the micro-batch size."""
+
+import copy
+
+import pytest
+import torch
+
+import grpo
+from tests.helpers import SMALL, resolved, run_grpo
+from tests.test_engine import rollout, setup
+from utils.rl import decoupled_group_advantages, entropy_threshold, group_advantages
+
+PARTS = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])  # 2 prompts x G = 2, (accuracy, format)
+
+
+def test_gdpo_reference_numbers_and_what_grpo_collapses():  # §12.9, unbiased std
+    grpo_adv = group_advantages((PARTS @ torch.ones(2)).view(2, 2), "group", 1e-4).view(-1)
+    assert grpo_adv.tolist() == pytest.approx([-0.707057, 0.707057, -0.707007, 0.707007], abs=1e-6)
+    gdpo_adv = decoupled_group_advantages(PARTS, torch.ones(2), 2, eps=1e-4)  # TRL's eps
+    assert gdpo_adv.tolist() == pytest.approx([-1.095360, 1.095360, -0.547680, 0.547680], abs=1e-6)
+    assert decoupled_group_advantages(PARTS, torch.ones(2), 2, eps=1e-6)[1].item() == pytest.approx(1.095445, abs=1e-6)
+    # GRPO gives (1, 1) over (0, 0) the same advantage as (1, 0) over (0, 0); GDPO gives it twice as much
+    assert grpo_adv[1].item() == pytest.approx(grpo_adv[3].item(), abs=1e-4)
+    assert gdpo_adv[1].item() == pytest.approx(2 * gdpo_adv[3].item(), rel=1e-6)
+
+
+def test_gdpo_weights_and_equal_groups():
+    weighted = decoupled_group_advantages(PARTS, torch.tensor([1.0, 0.1]), 2)
+    assert weighted[1] / weighted[3] == pytest.approx(1.1)  # each part's z-score, weighted
+    assert decoupled_group_advantages(torch.ones(4, 2), torch.ones(2), 2).tolist() == [0.0] * 4
+
+
+def test_gdpo_arguments():
+    assert resolved(grpo, reward_norm="normalize_then_sum").reward_norm == "normalize_then_sum"
+    for bad in ({"kl_in_reward": True, "kl_estimator": "k1"}, {"scale_rewards": "none"}):
+        with pytest.raises(ValueError, match="normalize_then_sum z-scores each reward in its group"):
+            resolved(grpo, reward_norm="normalize_then_sum", **bad)
+
+
+def test_entropy_threshold_is_the_quantile_of_the_valid_tokens():
+    entropy = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 9.0], [0.6, 0.7, 0.8, 0.9, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])  # the 9.0s are padding
+    threshold = entropy_threshold(entropy, mask, 0.2)
+    assert threshold.item() == pytest.approx(torch.quantile(torch.arange(1, 10) / 10, 0.8).item())
+    kept = (entropy >= threshold) & mask.bool()
+    assert kept.sum().item() == 2 and entropy[kept].tolist() == pytest.approx([0.8, 0.9])
+    # a second process's tokens (NaN-padded as accelerate pads them) join the quantile
+    other = torch.tensor([2.0, 3.0, float("nan")])
+    gather = lambda t: torch.cat([t, other])  # noqa: E731
+    assert entropy_threshold(entropy, mask, 0.2, gather).item() == pytest.approx(
+        torch.quantile(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 2.0, 3.0]), 0.8).item())
+
+
+def test_high_entropy_tokens_only_the_threshold_is_the_mini_batchs():
+    """update_policy with --top_entropy_frac 0.2: the same threshold, kept fraction and update for micro-batches of 2,
+    4 and 16 (the threshold is taken over the whole mini-batch, not per micro-batch); the kept tokens are the top 20 %
+    of pi_old's entropies; and the update differs from training on every token."""
+    args, accelerator, tokenizer, model = setup(top_entropy_frac=0.2, max_grad_norm=1e9)
+    _, batch, _ = rollout(model, tokenizer, accelerator, 1.0)
+    old_logp, old_entropy = grpo.batched_logprobs(model, batch, 1.0, 16, with_entropy=True)
+    batch.update(advantages=torch.linspace(-1, 1, len(batch["input_ids"])), ref_logp=old_logp - 0.1,
+                 old_logp=old_logp, old_entropy=old_entropy)
+    mask = batch["completion_mask"].bool()
+    expected = torch.quantile(old_entropy[mask], 0.8)
+    updates, stats_seen = [], []
+    for micro in (2, 4, 16):
+        args.micro_batch_size, policy = micro, copy.deepcopy(model)
+        _, stats = grpo.update_policy(args, policy, torch.optim.SGD(policy.parameters(), lr=1.0), dict(batch),
+                                      accelerator)
+        updates.append(torch.cat([(p0 - p1).detach().flatten() for p0, p1 in zip(model.parameters(),
+                                                                                 policy.parameters())]))
+        stats_seen.append(stats)
+        assert stats["means"]["policy/entropy_threshold"].item() == pytest.approx(expected.item(), rel=1e-6)
+        kept = stats["sums"]["policy/entropy_kept_frac"].item()
+        assert kept == pytest.approx((old_entropy[mask] >= expected).float().mean().item(), rel=1e-6)
+        assert 0.15 < kept <= 0.25
+    for update in updates[1:]:
+        assert torch.allclose(updates[0], update, atol=1e-6, rtol=1e-4)
+    args.top_entropy_frac, policy = 1.0, copy.deepcopy(model)
+    grpo.update_policy(args, policy, torch.optim.SGD(policy.parameters(), lr=1.0), dict(batch, old_entropy=None),
+                       accelerator)
+    every_token = torch.cat([(p0 - p1).detach().flatten() for p0, p1 in zip(model.parameters(), policy.parameters())])
+    assert not torch.allclose(updates[0], every_token, atol=1e-6)
+
+
+def test_the_kl_term_keeps_every_token():
+    """A token outside the kept set loses its policy-gradient term but keeps the KL term's gradient."""
+    old = torch.tensor([[-1.0, -1.0]])
+    logp = old.clone().requires_grad_(True)
+    ref = torch.tensor([[-0.5, -0.5]])
+    kept = torch.tensor([[1.0, 0.0]])
+    loss, _, _ = grpo.compute_loss(logp, old, torch.ones(1), torch.ones(1, 2), ref, is_weights=kept, beta=0.1,
+                                   loss_agg="token-mean")
+    (grad,) = torch.autograd.grad(loss, logp)
+    (kl_grad,) = torch.autograd.grad(0.1 * grpo.kl_term(logp, ref, old, "k3").sum() / 2, logp)
+    assert grad[0, 1].item() == pytest.approx(kl_grad[0, 1].item()) and grad[0, 1] != 0
+    assert grad[0, 0].item() == pytest.approx(kl_grad[0, 0].item() - 1 / 2)  # -A / num_tokens from the surrogate
+
+
+def test_both_switches_end_to_end(tmp_path):
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--reward_norm", "normalize_then_sum",
+                        "--top_entropy_frac", "0.2", *SMALL], tmp_path)
+    for r in rows:
+        assert 0.1 < r["policy/entropy_kept_frac"] <= 0.3 and r["policy/entropy_threshold"] > 0
+        assert r["policy/first_minibatch_ratio_dev_max"] == 0.0 and "charts/format" in r
