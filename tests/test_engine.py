@@ -76,6 +76,32 @@ def test_stop_tokens_and_truncation():
     assert batch["completion_mask"].sum(-1).tolist() == [5.0] * 16
 
 
+def test_fsdp_ranks_keep_stepping_until_every_rank_is_done():
+    """Under FSDP every rank must run every forward pass: a rank whose rows are all finished keeps decoding a dummy
+    row while another rank is still busy, and its own completions are the same as when it stops."""
+    import types
+
+    from accelerate.utils import DistributedType
+
+    _, accelerator, tokenizer, model = setup()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    rows_per_call = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_call.append(
+        len(kwargs["input_ids"])), with_kwargs=True)
+    torch.manual_seed(0)
+    alone = grpo.hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, accelerator)
+    calls_alone, rows_alone, rows_per_call[:] = len(rows_per_call), list(rows_per_call), []
+    other_rank_busy = types.SimpleNamespace(distributed_type=DistributedType.FSDP, device=accelerator.device,
+                                            unwrap_model=accelerator.unwrap_model,
+                                            reduce=lambda t, reduction: torch.ones_like(t))
+    torch.manual_seed(0)
+    synced = grpo.hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, other_rank_busy)
+    hook.remove()
+    assert synced == alone
+    assert rows_alone[0] == len(PROMPTS) and rows_alone[1] <= 2 * len(PROMPTS)  # prefilled once per prompt
+    assert calls_alone < 40 and len(rows_per_call) == 40 and rows_per_call[-1] == 1
+
+
 def test_single_update_reuses_the_forward_pass_exactly():
     """mu = 1: taking pi_old from the training forward pass (no separate pass) gives the same update and old_logp."""
     import copy

@@ -25,6 +25,13 @@ def test_import_has_no_side_effects(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
+def test_micro_batch_size_default_divides_the_mini_batch():
+    assert resolved(grpo).micro_batch_size == 32  # the embedded model's default
+    assert resolved(grpo, prompts_per_step=2, num_generations=4).micro_batch_size == 8  # the whole mini-batch
+    assert resolved(grpo, prompts_per_step=3, num_generations=4).micro_batch_size == 4  # the largest divisor <= 32
+    assert resolved(grpo, micro_batch_size=2).micro_batch_size == 2
+
+
 def test_help_documents_every_argument():
     out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
     for field in dataclasses.fields(grpo.Args):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from utils.rl import (aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted,
-                      masked_whiten)
+                      masked_whiten, micro_batches, sample_tokens)
 
 T = torch.tensor
 
@@ -138,3 +138,48 @@ def test_masked_whiten_single_token_is_finite():
 def test_sum_norm_aggregation_without_max_len_says_so():
     with pytest.raises(ValueError, match="needs max_len"):
         aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", 3, MASK.sum())
+
+
+def test_micro_batches_group_similar_lengths_and_cut_the_padding():
+    lengths = [5, 1, 9, 3, 7, 2, 0, 4]  # row 6: a completion masked out of the loss (DAPO's overlong filtering)
+    mask = torch.tensor([[1.0] * n + [0.0] * (9 - n) for n in lengths])
+    batch = {"input_ids": torch.arange(8 * 11).view(8, 11), "attention_mask": torch.ones(8, 11, dtype=torch.long),
+             "completion_mask": mask, "engine_logp": torch.randn(8, 9), "advantages": torch.arange(8.0),
+             "prompt_width": 2}
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    chunks = list(micro_batches(batch, rows, 3))
+    assert [c.tolist() for c, _ in chunks] == [[6, 1, 5], [3, 7, 0], [4, 2]]  # sorted by length, stable
+    for chunk, mc in chunks:
+        width = max(1, max(lengths[i] for i in chunk))
+        assert mc["completion_mask"].shape == mc["engine_logp"].shape == (len(chunk), width)
+        assert mc["input_ids"].shape == mc["attention_mask"].shape == (len(chunk), 2 + width)
+        assert torch.equal(mc["input_ids"], batch["input_ids"][chunk, :2 + width])
+        assert torch.equal(mc["engine_logp"], batch["engine_logp"][chunk, :width])
+        assert torch.equal(mc["advantages"], batch["advantages"][chunk])  # per-sequence tensors are not cut
+        assert mc["completion_mask"].sum() == mask[chunk].sum()  # no loss token is cut
+    assert [c.tolist() for c, _ in micro_batches(batch, torch.tensor([7, 2]), 3)] == [[7, 2]]
+
+
+def test_sample_tokens_draws_from_the_tempered_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200_000, 1)
+    torch.manual_seed(0)
+    token, logp = sample_tokens(logits, 1.0, 1.0)
+    frequencies = torch.bincount(token, minlength=4) / len(token)
+    assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=4e-3)
+    assert torch.allclose(logp, logits.gather(-1, token[:, None]).squeeze(-1), atol=1e-6)
+    token, logp = sample_tokens(logits, 2.0, 1.0)  # T = 2: p ** 0.5, renormalized
+    tempered = torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt()
+    assert torch.allclose(torch.bincount(token, minlength=4) / len(token), tempered / tempered.sum(), atol=4e-3)
+    token, logp = sample_tokens(logits, 1.0, 0.7)  # nucleus {0, 1}: 0.5 / 0.8 and 0.3 / 0.8
+    assert torch.allclose(torch.bincount(token, minlength=4) / len(token), torch.tensor([0.625, 0.375, 0, 0]),
+                          atol=4e-3)
+    assert torch.allclose(logp, torch.log(torch.tensor([0.625, 0.375]))[token], atol=1e-5)
+
+
+@pytest.mark.parametrize("uniform, expected", [(0.0, 1), (1.0, 2)])
+def test_sample_tokens_never_draws_a_zero_probability_token(monkeypatch, uniform, expected):
+    """The uniform's ends, 0 and (by rounding) the total mass, still land on tokens of positive probability."""
+    logits = torch.tensor([[-float("inf"), 0.0, 0.0, -float("inf")]])
+    monkeypatch.setattr(torch, "rand_like", lambda x: torch.full_like(x, uniform))
+    token, logp = sample_tokens(logits, 1.0, 1.0)
+    assert token.tolist() == [expected] and torch.isfinite(logp).all()

@@ -1,6 +1,8 @@
 """Checks of the arguments every algorithm script shares, run before any model loads: each bad value becomes a
 one-line ValueError that says what to change. A script adds its own algorithm's checks (check_algorithm_args)."""
 
+import math
+
 from utils.tasks import check_model, check_task, is_toy_shaped
 
 POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
@@ -9,8 +11,8 @@ POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_mini
 NON_NEGATIVE = ("eval_every", "save_every", "log_completions_every", "tis_cap", "eval_temperature", "reward_workers",
                 "reward_memory_mb")
 
-EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48}
-REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024}
+EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48, "micro_batch_size": 32}
+REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024, "micro_batch_size": 16}
 
 
 def resolve_args(args, check_algorithm_args, num_processes=1):
@@ -18,6 +20,9 @@ def resolve_args(args, check_algorithm_args, num_processes=1):
     model's), then check every argument: the shared checks below, then the script's check_algorithm_args. Bad input
     becomes one line that says what to change, before any heavy work starts."""
     defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS
+    if args.micro_batch_size is None:  # the default, or the largest divisor of a smaller mini-batch below it
+        minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
+        args.micro_batch_size = math.gcd(defaults["micro_batch_size"], minibatch) or defaults["micro_batch_size"]
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

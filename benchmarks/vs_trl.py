@@ -1,0 +1,238 @@
+"""grpo.py against TRL's GRPOTrainer on the embedded toy task: the same prompts per step, rewards and settings.
+
+    pip install -r benchmarks/requirements.txt        # trl==1.16.0 (benchmark only: the test suite does not need it)
+    python benchmarks/vs_trl.py                       # 3 seeds x 250 steps, the two sides alternating, one at a time
+    python benchmarks/vs_trl.py --seeds 1 --steps 20 --name vs_trl_smoke
+
+Each seed runs `python grpo.py` and TRL 1.16's GRPOTrainer (this file with --side trl) in subprocesses, one at a time
+(one torch thread each), alternating which side goes first. TRL gets a dataset listing, step after step, exactly the
+32 prompts grpo.py draws at that step (np.random.default_rng([seed, step])), with shuffling off, so both sides train on
+the same prompts in the same order; both score with utils/rewards.py (accuracy + 0.1 x format). SETTINGS below is the
+field-by-field mapping, with what cannot be matched. Writes benchmarks/results/<name>.md and .png: median step time,
+training seconds until the 10-step moving-average reward reaches each level (sum of step times: start-up, logging,
+checkpoints excluded on both sides), their ratios (medians over seeds), and reward over wall time.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toy_runs import seconds_to  # noqa: E402
+
+LEVELS = [0.7, 0.8, 0.9]
+GRPO_FLAGS = ["--adv_eps", "1e-4", "--eval_every", "0", "--save_every", "0", "--log_completions_every", "0"]
+SETTINGS = [  # (what, grpo.py, TRL GRPOConfig): grpo.py runs its defaults plus GRPO_FLAGS
+    ("model", "embedded toy model, float32", "the same folder, model_init_kwargs dtype float32, bf16=False"),
+    ("prompts per step x G", "32 x 8 (defaults)", "per_device_train_batch_size 256, num_generations 8, "
+                                                  "steps_per_generation 1, gradient_accumulation_steps 1"),
+    ("prompt order", "rng([seed, step]) picks 32 train rows", "a dataset listing those rows step by step, "
+                                                              "shuffle_dataset=False"),
+    ("updates per rollout", "num_epochs 1 x num_minibatches 1", "num_iterations 1 (pi_old = detached pi_theta)"),
+    ("optimizer", "AdamW lr 5e-4, betas (0.9, 0.999), eps 1e-8, wd 0", "optim adamw_torch, the same numbers"),
+    ("schedule", "constant", "lr_scheduler_type constant, warmup 0"),
+    ("gradient clipping", "max_grad_norm 1.0", "max_grad_norm 1.0"),
+    ("KL", "beta 0.04, k3 in the loss", "beta 0.04, use_bias_correction_kl=False (k3; True is k3_is's gradient)"),
+    ("clipping", "clip_eps_low/high 0.2", "epsilon 0.2, epsilon_high 0.2"),
+    ("loss aggregation", "seq-mean-token-mean", "loss_type grpo"),
+    ("advantages", "group z-score, unbiased std, --adv_eps 1e-4", "scale_rewards group (unbiased std + 1e-4, fixed)"),
+    ("reward", "accuracy + 0.1 format (utils/rewards.py)", "two reward functions over the same scorer, "
+                                                          "reward_weights [1.0, 0.1]"),
+    ("sampling", "T 1.0, top-p 1.0, no top-k, 48 new tokens", "temperature 1.0, top_p 1.0, top_k 0, "
+                                                              "max_completion_length 48"),
+    ("engine", "HF generate (CPU)", "HF generate (use_vllm=False)"),
+    ("threads", "--threads 1", "torch.set_num_threads(1) before the trainer is built"),
+    ("not matched: speed knobs", "policy/reference passes in micro-batches of 32 sorted by length (the same "
+     "update); its own decode loop", "one pass of 256 padded to the longest; transformers' generate()"),
+    ("not matched: randomness", "its sampling stream", "its own (the same prompts, different samples)"),
+    ("not matched: scoring", "a thread, overlapping the reference pass", "reward functions called inline"),
+]
+
+
+def step_at(rows, target, window=10):
+    """The step at which the `window`-step moving average of the reward first reaches `target` (per-step learning)."""
+    rewards = np.array([r["charts/reward"] for r in rows])
+    return next((end for end in range(window, len(rows) + 1) if rewards[end - window:end].mean() >= target), None)
+
+
+def trl_side(seed, steps, out_dir):
+    """One TRL run, logging {step, charts/reward, time/step} per step to <out_dir>/trl__<seed>/metrics.jsonl."""
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo import Args, check_algorithm_args
+    from utils.checks import resolve_args
+    from utils.rewards import RewardScorer
+    from utils.tasks import load_splits
+
+    args = resolve_args(Args(seed=seed), check_algorithm_args)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    train_rows, _, _ = load_splits(args, tokenizer, 1)
+    rows = []
+    for step in range(1, steps + 1):  # exactly grpo.py's draw
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
+        rows += [{"prompt": train_rows[i]["prompt"], "gold": train_rows[i]["answer"]} for i in picks]
+    scorer = RewardScorer(args.task, args.answer_format)
+
+    def accuracy(completions, gold, **kwargs):
+        return scorer.result(scorer.submit(completions, gold))[0]
+
+    def answer_format(completions, gold, **kwargs):
+        return scorer.result(scorer.submit(completions, gold))[1]
+
+    run_dir = os.path.join(out_dir, f"trl__{seed}")
+    os.makedirs(run_dir, exist_ok=True)
+    config = GRPOConfig(
+        output_dir=run_dir, seed=seed, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
+        model_init_kwargs={"dtype": torch.float32}, max_steps=steps, per_device_train_batch_size=256,
+        gradient_accumulation_steps=1, num_generations=args.num_generations, steps_per_generation=1,
+        num_iterations=1, shuffle_dataset=False, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
+        max_grad_norm=args.max_grad_norm, beta=args.beta, use_bias_correction_kl=False, epsilon=args.clip_eps_low,
+        epsilon_high=args.clip_eps_high, loss_type="grpo", scale_rewards="group",
+        reward_weights=[1.0, args.format_reward_weight], temperature=args.temperature, top_p=args.top_p, top_k=0,
+        max_completion_length=args.max_new_tokens, use_vllm=False, logging_steps=1, save_strategy="no",
+        eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.start, self.times, self.file = None, {}, open(os.path.join(run_dir, "metrics.jsonl"), "w")
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):  # before the step's logging, like grpo.py's time/step
+            self.times[state.global_step] = time.perf_counter() - self.start
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.file.write(json.dumps({"step": state.global_step, "charts/reward": logs["reward"],
+                                            "time/step": self.times[state.global_step]}) + "\n")
+                self.file.flush()
+
+    trainer = GRPOTrainer(model=args.model, reward_funcs=[accuracy, answer_format], args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[Record()])
+    trainer.train()
+
+
+def run_side(side, seed, steps, out_dir, reuse):
+    run_dir = os.path.join(out_dir, f"{side}__{seed}")
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--exp_name", "grpo", "--seed", str(seed), "--total_steps",
+           str(steps), "--output_dir", out_dir, *GRPO_FLAGS] if side == "grpo" else [
+        sys.executable, os.path.abspath(__file__), "--side", "trl", "--seeds", str(seed), "--steps", str(steps),
+        "--out_dir", out_dir]
+    done = os.path.join(run_dir, "benchmark.json")
+    if not (reuse and os.path.exists(done) and json.load(open(done))["cmd"][1:] == cmd[1:]):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        start = time.time()
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(done, "w") as f:
+            json.dump({"cmd": cmd, "wall_s": time.time() - start, "finished": time.strftime("%Y-%m-%d %H:%M"),
+                       "loadavg_1min": os.getloadavg()[0]}, f)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {"side": side, "seed": seed, "rows": rows, **json.load(open(done))}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=250, help="250: TRL's runs reach 0.9 at step 150-200 or later")
+    parser.add_argument("--name", default="vs_trl", help="results file name")
+    parser.add_argument("--out_dir", default=None, help="default: runs/benchmarks/<name>")
+    parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
+    parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # internal: one TRL run
+    args = parser.parse_args()
+    out_dir = args.out_dir or os.path.join(ROOT, "runs", "benchmarks", args.name)
+    if args.side == "trl":
+        return trl_side(args.seeds[0], args.steps, out_dir)
+
+    results = []
+    for i, seed in enumerate(args.seeds):  # one run at a time; the side that goes first alternates
+        for side in (("grpo", "trl") if i % 2 == 0 else ("trl", "grpo")):
+            results.append(run_side(side, seed, args.steps, out_dir, args.reuse))
+            print(f"{side} seed {seed}: {results[-1]['wall_s']:.0f} s", flush=True)
+
+    def per_seed(side, fn):
+        return [fn(r["rows"]) for r in results if r["side"] == side]
+
+    def median(values):  # a seed that never got there counts as infinitely slow; None if the median is one of them
+        middle = float(np.median([np.inf if v is None else v for v in values]))
+        return None if np.isinf(middle) else middle
+
+    summary = {side: {"step_s": median(per_seed(side, lambda rows: np.median([r["time/step"] for r in rows]))),
+                      "reward_first5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[:5]]))),
+                      "reward_last5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[-5:]]))),
+                      "step_at": median(per_seed(side, lambda rows: step_at(rows, LEVELS[-1]))),
+                      **{level: median(per_seed(side, lambda rows: seconds_to(rows, level))) for level in LEVELS}}
+               for side in ("grpo", "trl")}
+    loads = [r["loadavg_1min"] for r in results]
+    lines = [f"# {args.name}", "", f"Command: `python benchmarks/vs_trl.py --seeds {' '.join(map(str, args.seeds))} "
+             f"--steps {args.steps} --name {args.name}`; runs one at a time, 1-min load average at the end of each run "
+             f"{min(loads):.2f}-{max(loads):.2f}; finished {results[-1]['finished']}.", "",
+             "| side | seed | reward first 5 | reward last 5 | median step s | "
+             + " | ".join(f"s to {level}" for level in LEVELS) + f" | step at {LEVELS[-1]} | wall s |",
+             "|" + "---|" * (7 + len(LEVELS))]
+    for r in results:
+        rows = r["rows"]
+        to = [seconds_to(rows, level) for level in LEVELS]
+        lines.append(f"| {r['side']} | {r['seed']} | {np.mean([x['charts/reward'] for x in rows[:5]]):.3f} | "
+                     f"{np.mean([x['charts/reward'] for x in rows[-5:]]):.3f} | "
+                     f"{np.median([x['time/step'] for x in rows]):.3f} | "
+                     + " | ".join("never" if t is None else f"{t:.0f}" for t in to)
+                     + f" | {step_at(rows, LEVELS[-1]) or 'never'} | {r['wall_s']:.0f} |")
+    lines += ["", "Medians over seeds (a seed that never reached a level counts as slowest), and grpo.py / TRL:", "",
+              "| | median step s | " + " | ".join(f"s to {level}" for level in LEVELS) + f" | step at {LEVELS[-1]} |",
+              "|" + "---|" * (3 + len(LEVELS))]
+    for side in ("grpo", "trl"):
+        lines.append(f"| {side} | {summary[side]['step_s']:.3f} | " + " | ".join(
+            "never" if summary[side][key] is None else f"{summary[side][key]:.0f}" for key in [*LEVELS, "step_at"])
+            + " |")
+    ratio = lambda key: "n/a" if not (summary["grpo"][key] and summary["trl"][key]) else (  # noqa: E731
+        f"{summary['grpo'][key] / summary['trl'][key]:.2f}x")
+    lines.append("| grpo / trl | " + " | ".join(ratio(key) for key in ["step_s", *LEVELS, "step_at"]) + " |")
+    lines += ["", "Settings, field by field:", "", "| | grpo.py | TRL 1.16 GRPOConfig |", "|---|---|---|"]
+    lines += [f"| {what} | {ours} | {theirs} |" for what, ours, theirs in SETTINGS]
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "benchmarks", "results", args.name)
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, (ax_step, ax_wall) = plt.subplots(1, 2, figsize=(12, 4))
+    for r in results:
+        color = "C0" if r["side"] == "grpo" else "C1"
+        reward = np.array([x["charts/reward"] for x in r["rows"]])
+        smooth = np.convolve(reward, np.ones(10) / 10, mode="valid")
+        label = f"{'grpo.py' if r['side'] == 'grpo' else 'TRL GRPOTrainer'}" if r["seed"] == args.seeds[0] else None
+        ax_step.plot(np.arange(10, len(reward) + 1), smooth, color=color, label=label, alpha=0.8)
+        ax_wall.plot(np.cumsum([x["time/step"] for x in r["rows"]])[9:], smooth, color=color, label=label, alpha=0.8)
+    ax_step.set(xlabel="step", ylabel="reward, 10-step moving average", title="toy addition: per step")
+    ax_wall.set(xlabel="training seconds (sum of step times)", ylabel="reward, 10-step moving average",
+                title="over wall time (one run at a time)")
+    ax_wall.axhline(0.9, color="gray", lw=0.5)
+    ax_step.legend()
+    fig.tight_layout()
+    fig.savefig(path + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
