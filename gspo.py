@@ -333,7 +333,7 @@ def push_weights(engine, model, accelerator):
 @torch.no_grad()
 def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
     """Decode with the policy's forward pass and KV cache: each prompt prefilled once for its n completions, finished
-    rows dropped from the batch, so a step costs the completions still running (2.4x faster than transformers'
+    rows dropped from the batch, so a step costs the completions still running (2.1x faster than transformers'
     generate() on the toy). Under FSDP every rank runs every forward pass: a finished rank keeps a dummy row."""
     from transformers import DynamicCache
 

@@ -354,7 +354,7 @@ def push_weights(engine, model, accelerator):
 @torch.no_grad()
 def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
     """Decode with the policy's forward pass and KV cache: each prompt prefilled once for its n completions, finished
-    rows dropped from the batch, so a step costs the completions still running (2.4x faster than transformers'
+    rows dropped from the batch, so a step costs the completions still running (2.1x faster than transformers'
     generate() on the toy). Under FSDP every rank runs every forward pass: a finished rank keeps a dummy row."""
     from transformers import DynamicCache
 
@@ -616,8 +616,8 @@ def main(args):
                                                  args.num_minibatches)
         batch["old_values"] = torch.zeros_like(mask)
         with torch.no_grad():  # V_old, by micro-batches of similar lengths
-            for rows, mc in micro_batches(batch, torch.arange(len(mask), device=mask.device), args.micro_batch_size):
-                batch["old_values"][rows, :mc["completion_mask"].shape[1]] = token_values(critic, mc)
+            for mc_rows, mc in micro_batches(batch, torch.arange(len(mask), device=mask.device), args.micro_batch_size):
+                batch["old_values"][mc_rows, :mc["completion_mask"].shape[1]] = token_values(critic, mc)
         # 3. Per-token rewards (the score on the last token, -beta * k1 on each), GAE, whitened advantages.
         accuracy, formats, counts = scorer.result(scoring)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)

@@ -1,6 +1,6 @@
 """GRPO steps at a real model's shape: per-phase times, peak memory, what the vLLM engine's sleep frees, and the
-engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with HF generate, using grpo.py's own
-functions (create_engine, generate, batched_logprobs, update_policy).
+engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (grpo.py's decode
+loop), using grpo.py's own functions (create_engine, generate, batched_logprobs, update_policy).
 
     python benchmarks/gpu_step.py                                  # one GPU: Qwen2.5-0.5B shape, 256 x 256 tokens
     python benchmarks/gpu_step.py --shape tiny --engines hf --steps 2 --prompts 4 --new_tokens 16   # CPU check
