@@ -65,14 +65,31 @@ def run(variant, seed, steps, out_dir, extra, reuse=False):
     return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
 
 
+def step_reaching(rows, target, window=10):
+    """The step (1-based) at which the `window`-step moving average of the reward first reaches `target`; None if it
+    never does."""
+    rewards = np.array([r["charts/reward"] for r in rows])
+    return next((end for end in range(window, len(rows) + 1) if rewards[end - window:end].mean() >= target), None)
+
+
 def seconds_to(rows, target, window=10):
     """Training seconds (step times, evaluation excluded) until the `window`-step moving average of the reward first
     reaches `target`; None if it never does."""
-    rewards, elapsed = np.array([r["charts/reward"] for r in rows]), np.cumsum([r["time/step"] for r in rows])
-    for end in range(window, len(rows) + 1):
-        if rewards[end - window:end].mean() >= target:
-            return float(elapsed[end - 1])
-    return None
+    end = step_reaching(rows, target, window)
+    return None if end is None else float(np.sum([r["time/step"] for r in rows[:end]]))
+
+
+def pyplot():
+    """matplotlib's pyplot without a display, or None (with a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    return plt
 
 
 def summarize(result, target):
@@ -147,13 +164,8 @@ def main():
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax_reward, ax_parts, ax_length, ax_wall) = plt.subplots(1, 4, figsize=(21, 4))
     for v in args.variants:

@@ -26,7 +26,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy_runs import seconds_to  # noqa: E402
+from toy_runs import pyplot, seconds_to, step_reaching  # noqa: E402
 
 LEVELS = [0.7, 0.8, 0.9]
 GRPO_FLAGS = ["--adv_eps", "1e-4", "--eval_every", "0", "--save_every", "0", "--log_completions_every", "0"]
@@ -55,12 +55,6 @@ SETTINGS = [  # (what, grpo.py, TRL GRPOConfig): grpo.py runs its defaults plus 
     ("not matched: randomness", "its sampling stream", "its own (the same prompts, different samples)"),
     ("not matched: scoring", "a thread, overlapping the reference pass", "reward functions called inline"),
 ]
-
-
-def step_at(rows, target, window=10):
-    """The step at which the `window`-step moving average of the reward first reaches `target` (per-step learning)."""
-    rewards = np.array([r["charts/reward"] for r in rows])
-    return next((end for end in range(window, len(rows) + 1) if rewards[end - window:end].mean() >= target), None)
 
 
 def trl_side(seed, steps, out_dir):
@@ -174,7 +168,7 @@ def main():
     summary = {side: {"step_s": median(per_seed(side, lambda rows: np.median([r["time/step"] for r in rows]))),
                       "reward_first5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[:5]]))),
                       "reward_last5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[-5:]]))),
-                      "step_at": median(per_seed(side, lambda rows: step_at(rows, LEVELS[-1]))),
+                      "step_at": median(per_seed(side, lambda rows: step_reaching(rows, LEVELS[-1]))),
                       **{level: median(per_seed(side, lambda rows: seconds_to(rows, level))) for level in LEVELS}}
                for side in ("grpo", "trl")}
     loads = [r["loadavg_1min"] for r in results]
@@ -191,7 +185,7 @@ def main():
                      f"{np.mean([x['charts/reward'] for x in rows[-5:]]):.3f} | "
                      f"{np.median([x['time/step'] for x in rows]):.3f} | "
                      + " | ".join("never" if t is None else f"{t:.0f}" for t in to)
-                     + f" | {step_at(rows, LEVELS[-1]) or 'never'} | {r['wall_s']:.0f} |")
+                     + f" | {step_reaching(rows, LEVELS[-1]) or 'never'} | {r['wall_s']:.0f} |")
     lines += ["", "Medians over seeds (a seed that never reached a level counts as slowest), and grpo.py / TRL:", "",
               "| | median step s | " + " | ".join(f"s to {level}" for level in LEVELS) + f" | step at {LEVELS[-1]} |",
               "|" + "---|" * (3 + len(LEVELS))]
@@ -209,13 +203,8 @@ def main():
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax_step, ax_wall) = plt.subplots(1, 2, figsize=(12, 4))
     for r in results:
