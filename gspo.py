@@ -339,43 +339,43 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
 
     unwrapped, device, total = accelerator.unwrap_model(model), accelerator.device, len(prompts) * n
     inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(device)
-    attention_mask, stop_ids = inputs["attention_mask"], torch.tensor(tokenizer.stop_ids, device=device)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_width, stop_ids = inputs["input_ids"].shape[1], torch.tensor(tokenizer.stop_ids, device=device)
+    positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    attention_mask = torch.cat([inputs["attention_mask"], positions.new_ones(len(prompts), max_new_tokens)], dim=1)
     synced = accelerator.distributed_type == "FSDP"  # a str enum
-    tokens = torch.full((total, max_new_tokens), tokenizer.pad_token_id, device=device)
-    logprobs = torch.zeros(total, max_new_tokens, device=device)
-    lengths = torch.full((total,), max_new_tokens, device=device)
-    rows = torch.arange(total, device=device)  # the output row of each batch row; -1: an FSDP dummy
+    tokens = torch.full((total + 1, max_new_tokens), tokenizer.pad_token_id, device=device)  # row `total`: dummy's
+    logprobs = torch.zeros(total + 1, max_new_tokens, device=device)
+    rows = torch.arange(total, device=device)  # the output row of each batch row
     cache, input_ids = DynamicCache(config=unwrapped.config), inputs["input_ids"]
     with torch.inference_mode(not synced):  # cheaper than no_grad; FSDP2 must not gather weights as inference tensors
         for t in range(max_new_tokens):
-            logits = unwrapped(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = unwrapped(input_ids=input_ids, attention_mask=attention_mask[:, :prompt_width + t],
+                               position_ids=positions, past_key_values=cache, use_cache=True,
+                               logits_to_keep=1).logits[:, -1]
             if t == 0 and n > 1:  # each prompt was prefilled once: its cache and logits serve its n completions
                 cache.batch_repeat_interleave(n)
                 logits, attention_mask, positions = (x.repeat_interleave(n, dim=0) for x in (logits, attention_mask,
                                                                                               positions))
             token, token_logp = sample_tokens(logits, temperature, top_p) if temperature > 0 else (
                 logits.argmax(-1), torch.zeros(len(logits), device=device))
-            live = rows >= 0
-            tokens[rows[live], t], logprobs[rows[live], t] = token[live], token_logp[live]
-            finished = torch.isin(token, stop_ids) & live
-            lengths[rows[finished]] = t + 1
-            running = live & ~finished
-            go_on = running.any()  # the host sync of the step
+            tokens[rows, t], logprobs[rows, t] = token, token_logp
+            running = ~torch.isin(token, stop_ids) & (rows < total)
+            num_running = int(running.sum())  # the host sync of the step
+            go_on = num_running > 0
             if synced:  # every rank steps until all ranks are done
-                go_on = accelerator.reduce(go_on.float(), reduction="max") > 0
+                go_on = accelerator.reduce(torch.tensor(float(go_on), device=device), reduction="max").item() > 0
             if not go_on:
                 break
-            if not running.all():  # drop finished rows from the batch and the cache
-                keep = running.nonzero().squeeze(1) if running.any() else rows.new_zeros(1)
+            if num_running < len(rows):  # drop finished rows from the batch and the cache
+                keep = running.nonzero().squeeze(1) if num_running else rows.new_zeros(1)
                 cache.batch_select_indices(keep)
-                rows = torch.where(running[keep], rows[keep], -1)
+                rows = rows[keep] if num_running else rows.new_full((1,), total)
                 token, attention_mask, positions = token[keep], attention_mask[keep], positions[keep]
             input_ids, positions = token[:, None], positions[:, -1:] + 1
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], dim=1)
+    stops = torch.isin(tokens[:total], stop_ids)  # a completion ends at its first stop token, or is truncated
+    lengths = torch.where(stops.any(-1), stops.int().argmax(-1) + 1, max_new_tokens)
     return [(ids[:length], lps[:length] if temperature > 0 else None, ids[length - 1] not in tokenizer.stop_ids)
-            for ids, lps, length in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist())]
+            for ids, lps, length in zip(tokens[:total].tolist(), logprobs[:total].tolist(), lengths.tolist())]
 
 
 def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):

@@ -206,7 +206,7 @@ def sample_tokens(logits, temperature, top_p):
     torch.multinomial draws one exponential per vocabulary entry (0.10 s of a 1.3 s toy step, cProfile)."""
     from transformers import TopPLogitsWarper
 
-    scores = logits.float() / temperature
+    scores = logits.float() / temperature if temperature != 1.0 else logits.float()  # x / 1.0 is x: skip it
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)  # tokens outside the nucleus get -inf
     logp = torch.log_softmax(scores, dim=-1)
