@@ -92,6 +92,16 @@ def pyplot():
     return plt
 
 
+def write_results(name, lines):
+    """Print a results table and write it to benchmarks/results/<name>.md; returns the path without its suffix."""
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "benchmarks", "results", name)
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path
+
+
 def summarize(result, target):
     rows = result["rows"]
     rewards = [r["charts/reward"] for r in rows]
@@ -159,11 +169,7 @@ def main():
         to_v, to_base = median_to_target(rows), median_to_target(base)
         lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " | " +
                      (f"{to_v / to_base:.2f}x" if to_v is not None and to_base else "n/a") + " |")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", name)
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path = write_results(name, lines)
     plt = pyplot()
     if plt is None:
         return

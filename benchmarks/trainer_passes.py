@@ -12,7 +12,6 @@ the compile time (the first call of each compiled pass, which a training run pay
 """
 
 import argparse
-import contextlib
 import copy
 import os
 import statistics

@@ -26,7 +26,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy_runs import pyplot, seconds_to, step_reaching  # noqa: E402
+from toy_runs import pyplot, seconds_to, step_reaching, write_results  # noqa: E402
 
 LEVELS = [0.7, 0.8, 0.9]
 GRPO_FLAGS = ["--adv_eps", "1e-4", "--eval_every", "0", "--save_every", "0", "--log_completions_every", "0"]
@@ -198,11 +198,7 @@ def main():
     lines.append("| grpo / trl | " + " | ".join(ratio(key) for key in ["step_s", *LEVELS, "step_at"]) + " |")
     lines += ["", "Settings, field by field:", "", "| | grpo.py | TRL 1.16 GRPOConfig |", "|---|---|---|"]
     lines += [f"| {what} | {ours} | {theirs} |" for what, ours, theirs in SETTINGS]
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", args.name)
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path = write_results(args.name, lines)
     plt = pyplot()
     if plt is None:
         return
