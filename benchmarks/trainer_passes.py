@@ -6,9 +6,13 @@ never move) on one rollout batch of the embedded model, timed in one process wit
     python benchmarks/trainer_passes.py --compile       # also torch.compile(dynamic=True): minutes of compiling
 
 Variants: grpo.py's default (micro-batches of 32 sorted by completion length, SDPA's flash kernel, eager modules);
-micro-batches of 16, 64, 128; SDPA's math backend; torch.compile. Prints, and writes to
-benchmarks/results/trainer_passes.md, the median seconds per pass over the repeats and the ratio to the default, and
-the compile time (the first call of each compiled pass, which a training run pays too).
+micro-batches of 16, 64, 128; SDPA's math backend; two other ways to compute the same log-probs (`token_logprobs`
+below: each prompt's forward shared by its rows in a micro-batch through the KV cache; no padding mask, which is exact
+when no prompt is left-padded, and no input for the last token, whose logits predict nothing); torch.compile. Prints,
+and writes to benchmarks/results/trainer_passes.md, the median seconds per pass over the repeats, the ratio to the
+default, the largest difference of the pi_ref pass's log-probs from the default's, the compile time (the first call of
+each compiled pass, which a training run pays too), and the cost of the same number of model calls on one short row
+each: the part of the passes that does not shrink with the batch.
 """
 
 import argparse
@@ -26,6 +30,38 @@ import grpo  # noqa: E402
 from utils.checks import resolve_args  # noqa: E402
 from utils.rl import make_batch  # noqa: E402
 from utils.tasks import toy_problems  # noqa: E402
+
+
+def logprobs_prompt_shared(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """grpo.token_logprobs with each distinct prompt of the micro-batch run once: its KV cache and last logits are
+    repeated for the rows that share it, then the completions run on that cache."""
+    prompt = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], dim=1)
+    unique, inverse = torch.unique(prompt, dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = unique[:, :prompt_width], unique[:, prompt_width:]
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
+        min=0), use_cache=True, logits_to_keep=1)
+    out.past_key_values.batch_select_indices(inverse)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=completion[:, :-1], attention_mask=attention_mask[:, :-1],
+                   position_ids=position_ids[:, prompt_width:-1], past_key_values=out.past_key_values,
+                   use_cache=True).logits
+    return log_probs(torch.cat([out.logits[inverse], logits], dim=1), completion, temperature, with_entropy)
+
+
+def logprobs_unmasked(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """grpo.token_logprobs without the padding mask (right padding is invisible to a causal model at the positions
+    read; the toy's prompts are never left-padded) and without the last token as an input."""
+    assert bool(attention_mask[:, 0].all()), "a left-padded prompt needs the mask"
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=input_ids[:, :-1], logits_to_keep=completion.shape[1]).logits
+    return log_probs(logits, completion, temperature, with_entropy)
+
+
+def log_probs(logits, completion, temperature, with_entropy):
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    return logp, (-(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None)
 
 
 def main():
@@ -54,17 +90,20 @@ def main():
     lengths = batch["completion_mask"].sum(-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)  # timing only: weights never move
 
-    variants = {"default (32, flash, eager)": (32, SDPBackend.FLASH_ATTENTION, False),
-                "micro-batches of 16": (16, SDPBackend.FLASH_ATTENTION, False),
-                "micro-batches of 64": (64, SDPBackend.FLASH_ATTENTION, False),
-                "micro-batches of 128": (128, SDPBackend.FLASH_ATTENTION, False),
-                "SDPA math backend": (32, SDPBackend.MATH, False)}
+    flash, default_logprobs = SDPBackend.FLASH_ATTENTION, grpo.token_logprobs
+    variants = {"default (32, flash, eager)": (32, flash, False, default_logprobs),
+                "micro-batches of 16": (16, flash, False, default_logprobs),
+                "micro-batches of 64": (64, flash, False, default_logprobs),
+                "micro-batches of 128": (128, flash, False, default_logprobs),
+                "SDPA math backend": (32, SDPBackend.MATH, False, default_logprobs),
+                "prompt forward shared in a micro-batch": (32, flash, False, logprobs_prompt_shared),
+                "no padding mask, no last input": (32, flash, False, logprobs_unmasked)}
     if opts.compile:
-        variants["torch.compile(dynamic=True)"] = (32, SDPBackend.FLASH_ATTENTION, True)
-    compiled = {}
+        variants["torch.compile(dynamic=True)"] = (32, flash, True, default_logprobs)
+    compiled, ref_logps = {}, {}
 
     def passes(name):
-        size, backend, use_compile = variants[name]
+        size, backend, use_compile, grpo.token_logprobs = variants[name]  # update_policy calls grpo.token_logprobs
         policy, reference = model, ref_model
         if use_compile:
             if not compiled:
@@ -77,28 +116,54 @@ def main():
             start = time.perf_counter()
             ref_logp = grpo.batched_logprobs(reference, batch, args.temperature, size)
             seconds["pi_ref pass"] = time.perf_counter() - start
+            ref_logps[name] = ref_logp
             start = time.perf_counter()
             grpo.update_policy(run_args, policy, optimizer, dict(batch, ref_logp=ref_logp), accelerator)
             seconds["policy update"] = time.perf_counter() - start
+        grpo.token_logprobs = default_logprobs
+        return seconds
+
+    def one_row_calls():  # the default's model calls (a forward per micro-batch, twice; one backward) on 1 x 8 tokens
+        ids, seconds = batch["input_ids"][:1, :8], {}
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(0, len(samples), args.micro_batch_size):
+                ref_model(input_ids=ids, logits_to_keep=1)
+        seconds["pi_ref pass"] = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(0, len(samples), args.micro_batch_size):
+            model(input_ids=ids, logits_to_keep=1).logits.sum().backward()
+        seconds["policy update"] = time.perf_counter() - start
+        optimizer.zero_grad(set_to_none=True)
         return seconds
 
     first_call = {name: passes(name) for name in variants}  # warm-up; a compiled variant compiles here
-    times = {name: [] for name in variants}
+    times, floor = {name: [] for name in variants}, []
     for repeat in range(opts.repeats):
         for name in (list(variants) if repeat % 2 == 0 else list(variants)[::-1]):
             times[name].append(passes(name))
+        floor.append(one_row_calls())
     median = {name: {k: statistics.median(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
     base = median["default (32, flash, eager)"]
-    lines = [f"# trainer_passes\n\nCommand: `python benchmarks/trainer_passes.py{' --compile' if opts.compile else ''}`"
+    mask = batch["completion_mask"].bool()
+    diff = {name: (ref_logps[name] - ref_logps["default (32, flash, eager)"])[mask].abs().max() for name in variants}
+    floor = {k: statistics.median(t[k] for t in floor) for k in floor[0]}
+    shown = [a for i, a in enumerate(sys.argv[1:]) if "--out" not in (a, sys.argv[i])]  # argv[i] precedes a
+    lines = [f"# trainer_passes\n\nCommand: `{' '.join(['python benchmarks/trainer_passes.py'] + shown)}`"
              f"; {len(samples)} completions of {os.path.relpath(opts.model, ROOT)}, mean length "
              f"{lengths.mean():.1f}, longest {int(lengths.max())}; one thread; median of {opts.repeats} repeats, the "
              f"variants alternating; 1-min load average at the end {os.getloadavg()[0]:.2f}.\n",
-             "| variant | pi_ref pass s | policy update s | both | vs default | first call (compiles) s |",
-             "|---|---|---|---|---|---|"]
+             "| variant | pi_ref pass s | policy update s | both | vs default | max abs diff of pi_ref log-probs "
+             "| first call (compiles) s |", "|---|---|---|---|---|---|---|"]
     for name, m in median.items():
         both = sum(m.values())
         lines.append(f"| {name} | {m['pi_ref pass']:.4f} | {m['policy update']:.4f} | {both:.4f} | "
-                     f"{both / sum(base.values()):.2f}x | {sum(first_call[name].values()):.1f} |")
+                     f"{both / sum(base.values()):.2f}x | {diff[name]:.1e} | {sum(first_call[name].values()):.1f} |")
+    calls = len(range(0, len(samples), args.micro_batch_size))
+    lines.append(f"\nThe default's model calls on one row of 8 tokens each ({calls} forward "
+                 f"passes of the reference model, as many forward and backward passes of the policy): "
+                 f"{floor['pi_ref pass']:.4f} s + {floor['policy update']:.4f} s = {sum(floor.values()):.4f} s, "
+                 f"{sum(floor.values()) / sum(base.values()):.0%} of the default's passes.")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(opts.out, "w") as f:
