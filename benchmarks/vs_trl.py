@@ -3,6 +3,7 @@
     pip install -r benchmarks/requirements.txt        # trl==1.16.0 (benchmark only: the test suite does not need it)
     python benchmarks/vs_trl.py                       # 3 seeds x 250 steps, the two sides alternating, one at a time
     python benchmarks/vs_trl.py --seeds 1 --steps 20 --name vs_trl_smoke
+    python benchmarks/vs_trl.py --pool vs_trl vs_trl_run3  # medians over the runs of several invocations together
 
 Each seed runs `python grpo.py` and TRL 1.16's GRPOTrainer (this file with --side trl) in subprocesses, one at a time
 (one torch thread each), alternating which side goes first. TRL gets a dataset listing, step after step, exactly the
@@ -121,6 +122,28 @@ def trl_side(seed, steps, out_dir):
     trainer.train()
 
 
+def median(values):
+    """Median where a run that never got there (None) counts as infinitely slow; None if the median is one of them."""
+    middle = float(np.median([np.inf if v is None else v for v in values]))
+    return None if np.isinf(middle) else middle
+
+
+def pool(names, seeds):
+    """Print the medians over the finished runs of several invocations together (runs/benchmarks/<name>/<side>__<seed>),
+    per side, and their ratio: repeated runs of the same seeds average out the machine's drift between runs."""
+    medians = {}
+    for side in ("grpo", "trl"):
+        runs = [[json.loads(line) for line in open(os.path.join(ROOT, "runs", "benchmarks", name, f"{side}__{seed}",
+                                                                 "metrics.jsonl"))] for name in names for seed in seeds]
+        medians[side] = [median([np.median([r["time/step"] for r in rows]) for rows in runs]),
+                         *(median([seconds_to(rows, level) for rows in runs]) for level in LEVELS)]
+        print(f"{side}: {len(runs)} runs, median step {medians[side][0]:.3f} s, "
+              + ", ".join(f"s to {level} {'never' if t is None else f'{t:.1f}'}" for level, t in zip(LEVELS,
+                                                                                               medians[side][1:])))
+    print("grpo / trl: " + ", ".join(f"{what} {g / t:.3f}x" if g and t else f"{what} n/a" for what, g, t in zip(
+        ["median step", *(f"s to {level}" for level in LEVELS)], *medians.values())))
+
+
 def run_side(side, seed, steps, out_dir, reuse):
     run_dir = os.path.join(out_dir, f"{side}__{seed}")
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--exp_name", "grpo", "--seed", str(seed), "--total_steps",
@@ -146,8 +169,12 @@ def main():
     parser.add_argument("--name", default="vs_trl", help="results file name")
     parser.add_argument("--out_dir", default=None, help="default: runs/benchmarks/<name>")
     parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
+    parser.add_argument("--pool", nargs="+", metavar="NAME", help="print the medians over the finished runs of these "
+                        "names' invocations together (with --seeds), and exit")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # internal: one TRL run
     args = parser.parse_args()
+    if args.pool:
+        return pool(args.pool, args.seeds)
     out_dir = args.out_dir or os.path.join(ROOT, "runs", "benchmarks", args.name)
     if args.side == "trl":
         return trl_side(args.seeds[0], args.steps, out_dir)
@@ -160,10 +187,6 @@ def main():
 
     def per_seed(side, fn):
         return [fn(r["rows"]) for r in results if r["side"] == side]
-
-    def median(values):  # a seed that never got there counts as infinitely slow; None if the median is one of them
-        middle = float(np.median([np.inf if v is None else v for v in values]))
-        return None if np.isinf(middle) else middle
 
     summary = {side: {"step_s": median(per_seed(side, lambda rows: np.median([r["time/step"] for r in rows]))),
                       "reward_first5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[:5]]))),
