@@ -6,7 +6,7 @@ never move) on one rollout batch of the embedded model, timed in one process wit
     python benchmarks/trainer_passes.py --compile       # also torch.compile(dynamic=True): minutes of compiling
 
 Variants: grpo.py's default (micro-batches of 32 sorted by completion length, SDPA's flash kernel, eager modules);
-micro-batches of 16, 64, 128; SDPA's math backend; two other ways to compute the same log-probs (`token_logprobs`
+micro-batches of 16, 64, 128; SDPA's math backend; two other ways to compute the same log-probs (functions
 below: each prompt's forward shared by its rows in a micro-batch through the KV cache; no padding mask, which is exact
 when no prompt is left-padded, and no input for the last token, whose logits predict nothing); torch.compile. Prints,
 and writes to benchmarks/results/trainer_passes.md, the median seconds per pass over the repeats, the ratio to the
