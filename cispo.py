@@ -59,11 +59,14 @@ class Args:
     """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
     # model and task
     model: str = TOY_MODEL_DIR
-    """model path or hub id; the default is the embedded tiny model"""
+    """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
     task: str = "toy"
-    """toy, gsm8k, math, or a local .jsonl/.parquet file (or folder with train.* and test.*) of {prompt, answer} rows"""
+    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
+    train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    instruction: Literal["system", "user"] = "system"
+    """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
     max_prompt_length: int = 512
     """prompts longer than this (tokens) are dropped at load time, with a count"""
     max_new_tokens: Optional[int] = None
@@ -416,24 +419,28 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
-    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95)."""
+    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95); the
+    greedy answers' format rate."""
     world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
     mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
-    totals = torch.zeros(3, device=accelerator.device)  # greedy correct, sampled correct, problems
+    totals = torch.zeros(4, device=accelerator.device)  # greedy correct, sampled correct, problems, greedy format
     for start in range(0, len(prompts), 64):
-        chunk, golds = prompts[start:start + 64], [r["answer"] for r in mine[start:start + 64]]
+        chunk, chunk_rows = prompts[start:start + 64], mine[start:start + 64]
         for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
             out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
                            args.max_new_tokens, accelerator, policy_version)
             texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
-            acc, _, _ = scorer.result(scorer.submit(texts, [g for g in golds for _ in range(n)]))
+            acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
             totals[column] += sum(acc) / n
+            if column == 0:
+                totals[3] += sum(formats)
         totals[2] += len(chunk)
     totals = accelerator.reduce(totals, reduction="sum")
     n = totals[2].clamp(min=1)
     return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
-            (totals[1] / n).item(), "eval/problems": int(totals[2].item())}
+            (totals[1] / n).item(), "eval/format_greedy": (totals[3] / n).item(),
+            "eval/problems": int(totals[2].item())}
 
 
 # ---- Policy update --------------------------------------------------------------------------------------------------
@@ -588,7 +595,7 @@ def main(args):
         times["train"] = time.time()
         texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
         golds = [r["answer"] for r in rows for _ in range(G)]
-        scoring = scorer.submit(texts, golds)
+        scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         mask = batch["completion_mask"]
         if old_logp_pass and args.top_entropy_frac < 1:

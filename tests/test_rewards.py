@@ -231,3 +231,89 @@ def test_many_small_calls_reuse_the_warm_workers(scorer):
     one = scorer.result(scorer.submit(texts, golds))[0]
     small = [a for k in range(0, 64, 8) for a in scorer.result(scorer.submit(texts[k:k + 8], golds[k:k + 8]))[0]]
     assert small == one
+
+
+# What a policy can learn to emit when a format reward pays for the shape alone (SmolLM2-135M-Instruct found the empty
+# box within 30 steps): each must earn no format reward, and none is correct.
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+LEARNABLE_NON_ANSWERS = [
+    "\\boxed{}", "\\boxed{ }", "\\boxed{\n}", "\\boxed{\\text{}}", "\\boxed{\\text{ }}", "so the answer is \\boxed{}.",
+    INSTRUCTION, "Please put your final answer within \\boxed{}.",  # a copy of the instruction
+    "Give the final answer as \\boxed{ANSWER}.", "\\boxed{answer}", "\\boxed{\\text{ANSWER}}",  # or of --instruction user
+    "\\boxed{What is 4 + 3?}", "\\boxed{State the final answer to the following arithmetic problem:}",  # the question
+    "\\boxed{7}\n\\boxed{8}\n\\boxed{9}",  # a box per line
+]
+NOT_A_NUMBER = ["\\boxed{x}", "\\boxed{y z}", "\\boxed{\\text{seven}}", "\\boxed{4 + 3}"]  # gold "7": format 0 for
+# string checkers (math-verify reads x and 4 + 3 as expressions: a guessed number is as cheap and sometimes right)
+
+
+def test_format_pays_only_for_an_answer_the_math_checker_reads(scorer):
+    acc, fmt, counts = scorer.result(scorer.submit(LEARNABLE_NON_ANSWERS, ["7"] * len(LEARNABLE_NON_ANSWERS)))
+    assert fmt == [0.0] * len(LEARNABLE_NON_ANSWERS), [t for t, f in zip(LEARNABLE_NON_ANSWERS, fmt) if f]
+    assert acc == [0.0] * len(LEARNABLE_NON_ANSWERS)  # the box per line ends with a wrong 9
+    assert counts["no_answer"] == 9  # the empty boxes, copied instructions and placeholders are no answer at all
+    acc, fmt, _ = scorer.result(scorer.submit(["so \\boxed{7}.", "\\boxed{8}", "\\boxed{\\frac{14}{2}}"], ["7"] * 3))
+    assert acc == [1.0, 0.0, 1.0] and fmt == [1.0, 1.0, 1.0]  # a readable wrong answer keeps its format reward
+
+
+def test_format_pays_only_for_a_readable_toy_answer():
+    texts = ["<answer></answer>", "<answer> </answer>", "<answer>abc</answer>", "<answer>052</answer>",
+             "<answer>53</answer>", "<answer>07+45</answer>"]
+    acc, fmt, counts = score_completions(texts, ["052"] * len(texts), "toy", "answer_tags")
+    assert acc == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0] and fmt == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert counts["no_answer"] == 2
+
+
+RG_TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
+
+
+@pytest.fixture(scope="module")
+def rg_rows():
+    from utils.tasks import rg_rows as make_rows
+
+    entries, _ = make_rows(RG_TASK, "test")
+    return [{"answer": e["answer"], "entry": e} for e in entries[:4]]
+
+
+def test_reasoning_gym_answers_are_checked_by_the_task_verifier(rg_rows):
+    row = rg_rows[0]
+    gold = int(row["answer"])
+    texts = [f"\\boxed{{{gold}}}", f"\\boxed{{+{gold}.0}}", f"\\boxed{{{gold + 1}}}", f"\\boxed{{{gold}1}}",
+             f"\\boxed{{{gold} or {gold + 1}}}", f"\\boxed{{{row['entry']['metadata']['expression']}}}"]
+    with RewardScorer(RG_TASK, "boxed", num_workers=1) as s:
+        junk = LEARNABLE_NON_ANSWERS + NOT_A_NUMBER
+        acc, fmt, counts = s.result(s.submit(texts + junk, [row] * (len(texts) + len(junk))))
+    # exact and the verifier's own equivalences score 1; its partial credit (the gold inside a longer answer) is not
+    # a correct answer; an echoed expression is not a number
+    assert acc[:len(texts)] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert fmt[:len(texts)] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert fmt[len(texts):] == [0.0] * len(junk) and acc[len(texts):] == [0.0] * len(junk)
+    assert counts["errors"] == counts["timeouts"] == 0
+
+
+def test_a_hanging_or_raising_verifier_costs_one_answer():
+    from utils.tasks import rg_rows as make_rows
+
+    task = "rg:polynomial_multiplication"  # its verifier runs sympy.parse_expr on the answer: a tower never ends
+    entry = make_rows(task, "test")[0][0]
+    row = {"answer": entry["answer"], "entry": entry}
+    texts = ["\\boxed{9**9**9**9**9}", f"\\boxed{{{entry['answer']}}}", "\\boxed{(}"]
+    with RewardScorer(task, "boxed", num_workers=1, timeout=2.0) as s:
+        acc, _, counts = s.result(s.submit(texts, [row] * 3))
+    assert acc == [0.0, 1.0, 0.0] and counts["timeouts"] == 1
+
+
+def test_a_verifier_exception_is_counted(monkeypatch, rg_rows):
+    def broken(dataset, answer, entry):
+        raise RuntimeError("verifier bug")
+
+    monkeypatch.setattr(rewards, "rg_score", broken)
+    ours, theirs = Pipe()
+    thread = threading.Thread(target=rewards._worker, args=(theirs, 0, RG_TASK), daemon=True)
+    thread.start()
+    assert ours.recv() == "ready"
+    ours.send((0, rg_rows[0]["entry"], ["1", "2"]))
+    replies = [ours.recv()[2] for _ in range(2)]
+    ours.send(None)
+    thread.join()
+    assert replies == ["errors", "errors"]

@@ -166,3 +166,45 @@ def test_empty_malformed_and_tiny_files_say_what_is_wrong(tmp_path, tokenizer):
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "q", "answer": "1"}])
     with pytest.raises(ValueError, match="needs at least 2"):
         load_task(one, "train", tokenizer)
+
+
+RG_TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
+
+
+def test_reasoning_gym_task_is_seeded_and_its_splits_are_disjoint(tokenizer):
+    train, counts = load_task(RG_TASK, "train", tokenizer)
+    test, _ = load_task(RG_TASK, "test", tokenizer)
+    assert len(test) == 500 and len(train) + counts["dropped_in_test"] == 10_000
+    assert counts["dropped_in_test"] > 0  # a small option range repeats questions: those are removed from train
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    again, _ = load_task(RG_TASK, "train", tokenizer)
+    assert [r["question"] for r in again] == [r["question"] for r in train]  # generated from fixed seeds
+    row = test[0]
+    assert row["entry"]["question"] == row["question"] and row["answer"] == str(row["entry"]["answer"])
+    assert row["entry"]["metadata"]["source_dataset"] == "chain_sum"
+
+
+def test_reasoning_gym_task_options_and_errors():
+    from utils.tasks import parse_rg_task
+
+    assert parse_rg_task("rg:chain_sum") == ("chain_sum", {})
+    assert parse_rg_task("rg:x:a=2,b=0.5,c=true,d=hi") == ("x", {"a": 2, "b": 0.5, "c": True, "d": "hi"})
+    check_task(RG_TASK)
+    for task, message in [("rg:no_such_task", "not registered"), ("rg:chain_sum:foo=1", "unexpected keyword"),
+                          ("rg:chain_sum:min_terms=3,max_terms=2", "reasoning-gym refused it"),
+                          ("rg:chain_sum:min_terms", "key=value pairs")]:
+        with pytest.raises(ValueError, match=message) as error:
+            check_task(task)
+        assert "\n" not in str(error.value)
+
+
+def test_instruction_placement():
+    class ChatTokenizer:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return " | ".join(f"{m['role']}: {m['content']}" for m in messages)
+
+    assert format_prompt(ChatTokenizer(), "What is 2+2?", "boxed", "user") == (
+        "user: What is 2+2?\nGive the final answer as \\boxed{ANSWER}.")
+    assert format_prompt(ChatTokenizer(), "What is 2+2?", "boxed").startswith("system: Please reason")

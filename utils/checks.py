@@ -3,6 +3,7 @@ one-line ValueError that says what to change. A script adds its own algorithm's 
 
 import math
 
+from utils.models import gguf_file, resolve_model
 from utils.tasks import check_model, check_task, is_toy_shaped
 
 POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
@@ -18,7 +19,8 @@ REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024, "micro_bat
 def resolve_args(args, check_algorithm_args, num_processes=1):
     """Fill the defaults that depend on the model (the embedded model's, also for a model trained from it, or a real
     model's), then check every argument: the shared checks below, then the script's check_algorithm_args. Bad input
-    becomes one line that says what to change, before any heavy work starts."""
+    becomes one line that says what to change, before any heavy work starts; the last step turns a GGUF model
+    (--model smollm2-135m or a .gguf file) into its converted folder, converting it on first use."""
     defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS
     if args.micro_batch_size is None:  # the default, or the largest divisor of a smaller mini-batch below it
         minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
@@ -30,6 +32,7 @@ def resolve_args(args, check_algorithm_args, num_processes=1):
         args.answer_format = "answer_tags"
     check_args(args, num_processes)
     check_algorithm_args(args, num_processes)
+    args.model = resolve_model(args.model)
     return args
 
 
@@ -49,7 +52,8 @@ def check_args(args, num_processes=1):
     if args.eval_size < 1 and (args.eval_every or args.eval_only):
         raise ValueError(f"--eval_size {args.eval_size}: must be >= 1, or pass --eval_every 0 to skip evaluation")
     check_task(args.task)
-    check_model(args.model)
+    if gguf_file(args.model) is None:  # a GGUF model is checked there: its file exists, or how to install it
+        check_model(args.model)
     if args.prompts_per_step % num_processes:
         raise ValueError(f"--prompts_per_step {args.prompts_per_step} must divide by the {num_processes} processes")
     local_batch = args.prompts_per_step // num_processes * args.num_generations

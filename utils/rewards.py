@@ -12,6 +12,13 @@ through, so answers are read strictly and every check is bounded:
   distinct answer checked once, and only the extracted answer (<= 300 characters) is sent. An item running past the hard time limit gets its worker killed and replaced (a
   killed process is the only bound that also stops C code, e.g. a huge integer power in sympy). Every failure kind
   scores 0 and is counted; none aborts the step.
+- A reasoning-gym task (rg:NAME) is checked by its dataset's own score_answer in the same workers, under the same
+  bounds; a completion is correct when it gets the full score (partial credit, e.g. for an answer that merely
+  contains the gold, would pay for boxing many numbers).
+- The format reward pays only for an answer that the accuracy check can read: one answer in the asked-for form,
+  nothing long after it, not empty, and parsed by the checker (a number when the gold is a number). An empty box, a
+  copy of the instruction or the question echoed in the box earns nothing: a real policy learns within minutes to
+  emit whatever a format reward pays for.
 """
 
 import collections
@@ -33,6 +40,8 @@ PLAIN_EXPRESSION = re.compile(r"[-+*/^().0-9\s]+")  # what the plain-expression 
 SPACED_NUMBERS = re.compile(r"[0-9.]\s+[0-9]")  # "72 73": two answers, not one
 NUMBER_IN_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*[0-9]")  # "72 \text{ (or 73)}": a hedge
 PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")  # 72, -3.5, 1,000 (not 1,2)
+PLACEHOLDER = re.compile(r"(?:\\(?:text|textbf|mathrm)\s*\{\s*)?answer\s*\}?", re.IGNORECASE)  # the instruction's
+# \boxed{ANSWER} copied: never an answer (math-verify would read it as the product A*N*S*W*E*R)
 FAILURES = ("unparsed", "timeouts", "verify_timeouts", "errors", "memory")
 
 
@@ -83,7 +92,8 @@ EXTRACTORS = {
 
 
 def format_reward(text, answer_format):
-    """1.0 if the completion gives exactly one answer in the asked-for form and nothing after it, else 0.0."""
+    """1.0 if the completion gives exactly one answer in the asked-for form and nothing after it, else 0.0. Only the
+    shape: the scorer also requires the answer to be readable (see answer_is_readable and the workers' parse)."""
     if answer_format == "boxed":  # a closing "$.", "\\]" or short sentence may follow the box
         span = _last_boxed(text)
         return float(text.count("\\boxed{") == 1 and span is not None and len(text) - span[1] <= MAX_AFTER_BOX)
@@ -95,6 +105,24 @@ def plain_number(text):
     """The exact value of a plain decimal number ("72", "-3.5", "1,000", "\\$72"), else None."""
     text = text.strip().replace("\\$", "").replace("$", "").rstrip(".")
     return Decimal(text.replace(",", "")) if PLAIN_NUMBER.fullmatch(text) else None
+
+
+def answer_is_readable(answer, gold):
+    """For checkers that compare strings (the toy task, reasoning-gym): a non-empty answer, and a number when the gold
+    is one (so that "\\boxed{x}", a copied instruction or an echoed question earns no format reward)."""
+    if answer is None or not answer.strip():
+        return False
+    if _decimal(gold) is None:
+        return True
+    return _decimal(answer) is not None
+
+
+def _decimal(text):
+    """The value of a decimal number as reasoning-gym reads one ("+01,000.00", "-3.5", "7"), else None."""
+    text = text.strip().replace(",", "")
+    if len(text) > 100 or not re.fullmatch(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)", text):
+        return None
+    return Decimal(text)
 
 
 def numbers_decide(gold, answer):
@@ -166,8 +194,14 @@ class _CountTimeouts(logging.Handler):
         self.count += record.getMessage().startswith("Timeout during")
 
 
-def _worker(conn, memory_bytes):
-    """Worker process: receive (task id, gold, answers), send (task id, item index, status, value) per answer."""
+def rg_score(dataset, answer, entry):
+    """1.0 when a reasoning-gym dataset's own verifier gives the answer its full score, else 0.0."""
+    return float(dataset.score_answer(answer, entry) >= 1.0)
+
+
+def _worker(conn, memory_bytes, rg_task=None):
+    """Worker process: receive (task id, gold, answers), send (task id, item index, status, value) per answer. For a
+    reasoning-gym task the gold is the row's entry and the dataset's score_answer checks each answer."""
     if memory_bytes:
         try:  # address-space limit on top of what the process already maps (Linux; elsewhere time limits only)
             with open("/proc/self/statm") as f:
@@ -182,9 +216,22 @@ def _worker(conn, memory_bytes):
         logging.getLogger(name).addHandler(timeouts)
         logging.getLogger(name).propagate = False  # counted, not printed
     math_equal("\\frac{1}{2}", "0.5")  # warm up: sympy imports its modules lazily (~0.7 s on the first comparison)
+    if rg_task:
+        from utils.tasks import rg_dataset
+
+        dataset = rg_dataset(rg_task, seed=0, size=1)  # its score_answer reads the options it was made with
     conn.send("ready")
     while (task := conn.recv()) is not None:
         task_id, gold, answers = task
+        if rg_task:
+            for j, answer in enumerate(answers):
+                try:
+                    conn.send((task_id, j, "ok", rg_score(dataset, answer, gold)))
+                except MemoryError:
+                    conn.send((task_id, j, "memory", 0.0))
+                except Exception:  # noqa: BLE001 - a verifier bug costs this answer its reward, never the run
+                    conn.send((task_id, j, "errors", 0.0))
+            continue
         try:
             gold_parsed = parse_gold(gold)  # once per group
         except Exception:  # noqa: BLE001 - golds are checked at load time; this is a last resort
@@ -207,10 +254,11 @@ def _worker(conn, memory_bytes):
 
 
 class ScoreJob:
-    """One submitted batch: per-completion accuracy, filled in by the scorer's thread."""
+    """One submitted batch: per-completion accuracy and readability, filled in by the scorer's thread."""
 
     def __init__(self, completions, answer_format):
-        self.formats = [format_reward(c, answer_format) for c in completions]
+        self.shapes = [format_reward(c, answer_format) for c in completions]  # the format's shape, before parsing
+        self.readable = [False] * len(completions)  # the checker could read the answer (format needs both)
         self.accuracy = [0.0] * len(completions)
         self.counts = {"no_answer": 0, **{kind: 0 for kind in FAILURES}}
         self.targets = {}  # (task id, item index) -> the completions that share this answer
@@ -220,16 +268,21 @@ class ScoreJob:
 
 class RewardScorer:
     """Accuracy and format rewards for a task: the toy task by exact match in this process, math answers by
-    math-verify in `num_workers` persistent worker processes.
+    math-verify and reasoning-gym answers by their dataset's score_answer in `num_workers` persistent worker
+    processes.
 
         job = scorer.submit(completions, golds)   # returns at once: extraction here, checks in the workers
         ...                                        # the trainer's log-prob passes run meanwhile
         accuracy, formats, counts = scorer.result(job)
+
+    A gold is the gold answer string, or the task row ({"answer", and "entry" for a reasoning-gym task}).
     """
 
     def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024, compare_numbers=True):
         self.exact = task == "toy"  # exact match of the tag content: no parser involved
-        self.compare_numbers = compare_numbers  # settle plain numbers here (False: every check goes to math-verify)
+        self.rg_task = task if task.startswith("rg:") else None  # checked by reasoning-gym's own verifier
+        self.compare_numbers = compare_numbers and not self.rg_task  # settle plain numbers here (False: every check
+        # goes to the workers)
         self.extract = extract_answer_tag if self.exact else EXTRACTORS[answer_format]
         self.answer_format, self.timeout, self.memory_bytes = answer_format, timeout, memory_mb * 2**20
         self.queue, self.jobs, self.lock, self.next_id = collections.deque(), {}, threading.Lock(), 0
@@ -237,7 +290,8 @@ class RewardScorer:
         if self.exact:
             return
         self.context = multiprocessing.get_context("forkserver")  # workers fork from a fresh server, not from us
-        self.context.set_forkserver_preload(["__main__", "utils.rewards", "math_verify"])
+        self.context.set_forkserver_preload(["__main__", "utils.rewards", "math_verify"] +
+                                            (["reasoning_gym"] if self.rg_task else []))
         self.wake_receiver, self.wake_sender = self.context.Pipe(duplex=False)
         self.workers = [self._start_worker() for _ in range(max(1, num_workers))]
         self.closed = False
@@ -247,19 +301,28 @@ class RewardScorer:
     def submit(self, completions, golds):
         job = ScoreJob(completions, self.answer_format)
         answers = [self.extract(c) for c in completions]
-        job.counts["no_answer"] = sum(a is None for a in answers)
         groups = collections.defaultdict(dict)  # gold -> {distinct answer: [completion indices]}
-        for i, (answer, gold) in enumerate(zip(answers, golds)):
-            if answer is None:
+        entries = {}  # for a reasoning-gym task: gold key -> the entry its verifier reads
+        for i, (answer, row) in enumerate(zip(answers, golds)):
+            gold = row if isinstance(row, str) else row["answer"]
+            if answer is None or not answer.strip() or PLACEHOLDER.fullmatch(answer.strip()):  # none, empty, or the
+                # instruction's placeholder: nothing to check or to read
+                job.counts["no_answer"] += 1
                 continue
-            if answer == gold.strip():  # identical to the gold: correct without a parse (the gold parses)
-                job.accuracy[i] = 1.0
+            if self.exact or self.rg_task:  # string checkers: the format needs a non-empty answer of the gold's kind
+                job.readable[i] = answer_is_readable(answer, gold)
+            if answer == gold.strip() and not self.rg_task:  # identical to the gold: correct, no parse (it parses)
+                job.accuracy[i], job.readable[i] = 1.0, True
             elif self.exact:
                 continue
             elif len(answer) > MAX_ANSWER_CHARS:
                 job.counts["unparsed"] += 1
             elif self.compare_numbers and (decided := numbers_decide(gold, answer)) is not None:
-                job.accuracy[i] = decided
+                job.accuracy[i], job.readable[i] = decided, True
+            elif self.rg_task:
+                key = id(row["entry"])  # the same row object for every completion of its group
+                entries[key] = row["entry"]
+                groups[key].setdefault(answer, []).append(i)
             else:
                 groups[gold].setdefault(answer, []).append(i)
         with self.lock:
@@ -269,7 +332,7 @@ class RewardScorer:
                 for j, indices in enumerate(by_answer.values()):
                     job.targets[(task_id, j)] = indices
                 job.pending += len(by_answer)
-                self.queue.append((task_id, gold, list(by_answer)))
+                self.queue.append((task_id, entries.get(gold, gold), list(by_answer)))
         if job.pending == 0 or self.failure:
             job.finished = time.time()
             job.done.set()
@@ -279,14 +342,15 @@ class RewardScorer:
 
     def result(self, job):
         """(accuracy, formats, counts) of a job, waiting for it; job.waited is the part of scoring that was not
-        hidden behind other work, job.hidden the rest."""
+        hidden behind other work, job.hidden the rest. A format counts only for an answer the checker could read."""
         start = time.time()
         job.done.wait()
         if self.failure:
             raise RuntimeError(f"reward scorer stopped: {self.failure}")
         job.waited = time.time() - start
         job.hidden = max(0.0, job.finished - job.submitted - job.waited)
-        return job.accuracy, job.formats, job.counts
+        formats = [shape * readable for shape, readable in zip(job.shapes, job.readable)]
+        return job.accuracy, formats, job.counts
 
     def close(self):
         if self.exact or self.closed:
@@ -308,7 +372,7 @@ class RewardScorer:
 
     def _start_worker(self):
         receiver, sender = self.context.Pipe()
-        process = self.context.Process(target=_worker, args=(sender, self.memory_bytes), daemon=True)
+        process = self.context.Process(target=_worker, args=(sender, self.memory_bytes, self.rg_task), daemon=True)
         process.start()
         sender.close()
         return {"process": process, "conn": receiver, "ready": False, "task": None, "item": 0, "started": 0.0}
@@ -317,6 +381,8 @@ class RewardScorer:
         job = self.jobs[task_id]
         for i in job.targets[(task_id, j)]:
             job.accuracy[i] = value
+            if not self.rg_task:  # math-verify parsed the answer (reasoning-gym answers were judged at submit)
+                job.readable[i] = status == "ok"
         if status != "ok":
             job.counts[status] += len(job.targets[(task_id, j)])
         job.pending -= 1

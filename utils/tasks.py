@@ -6,8 +6,12 @@
 - a local .jsonl/.json/.parquet file, or a folder holding train.* and test.* files. Rows are read through the same
   code path as the hub datasets, so GSM8K-shaped (question, answer "... #### 72") and MATH-shaped (problem, solution
   with a boxed answer, or problem, answer) files work as well as plain {prompt, answer} rows.
+- "rg:NAME" or "rg:NAME:key=value,key=value": a procedural task of reasoning-gym (e.g. rg:chain_sum:min_terms=2,
+  max_terms=3), generated at load time from fixed seeds, train and test disjoint; each row keeps its reasoning-gym
+  entry, whose dataset's own score_answer is the verifier (run in the reward workers).
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -25,6 +29,12 @@ HUB_TASKS = {  # name: (train (path, config, split), test (path, config, split))
 SYSTEM_PROMPTS = {
     "boxed": "Please reason step by step, and put your final answer within \\boxed{}.",
     "answer_tags": "Think step by step, then give only the final answer inside <answer> </answer> tags.",
+}
+RG_TRAIN_SIZE, RG_TEST_SIZE = 10_000, 500  # rows generated per split of a reasoning-gym task
+RG_TRAIN_SEED, RG_TEST_SEED = 0, 10**9  # entry i uses seed + i: these never meet
+USER_INSTRUCTIONS = {  # a copy of the placeholder is never a readable answer (utils/rewards.py)
+    "boxed": "Give the final answer as \\boxed{ANSWER}.",
+    "answer_tags": "Give the final answer as <answer>ANSWER</answer>.",
 }
 PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -65,12 +75,59 @@ def check_model(model):
     constants.HF_HUB_OFFLINE = True  # load from the cache without asking the hub
 
 
+def parse_rg_task(task):
+    """"rg:chain_sum:min_terms=2,max_terms=3" -> ("chain_sum", {"min_terms": 2, "max_terms": 3}); values are read as
+    int, float, true/false, or else kept as strings."""
+    _, _, rest = task.partition(":")
+    name, _, options = rest.partition(":")
+    parsed = {}
+    for item in filter(None, options.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--task {task!r}: options are key=value pairs separated by commas, got {item!r}")
+        for convert in (int, float, {"true": True, "false": False}.__getitem__, str):
+            with contextlib.suppress(ValueError, KeyError):
+                parsed[key.strip()] = convert(value.strip().lower() if convert is not str else value.strip())
+                break
+    return name, parsed
+
+
+def rg_dataset(task, seed, size):
+    """The reasoning-gym dataset of an rg: task; a bad name or option is a one-line error."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(f"--task {task}: the package reasoning-gym is not installed (pip install reasoning-gym)") \
+            from None
+    name, options = parse_rg_task(task)
+    try:
+        return reasoning_gym.create_dataset(name, seed=seed, size=size, **options)
+    except Exception as e:  # unknown name (ValueError), unknown option (TypeError), bad value (AssertionError)
+        raise ValueError(f"--task {task}: reasoning-gym refused it ({type(e).__name__}: {e})") from None
+
+
+def rg_rows(task, split):
+    """A reasoning-gym task's split: the test set from its own seed, the train set with every question that is also
+    in the test set removed (small option ranges repeat questions); returns (rows, count removed)."""
+    test = list(rg_dataset(task, RG_TEST_SEED, RG_TEST_SIZE))
+    if split == "test":
+        return test, 0
+    held_out = {entry["question"] for entry in test}
+    train = list(rg_dataset(task, RG_TRAIN_SEED, RG_TRAIN_SIZE))
+    kept = [entry for entry in train if entry["question"] not in held_out]
+    return kept, len(train) - len(kept)
+
+
 def check_task(task):
     """Fail fast on a task that is neither a known name nor an existing local file/folder."""
     if task == "toy" or task in HUB_TASKS:
         return
+    if task.startswith("rg:"):
+        rg_dataset(task, seed=0, size=1)
+        return
     if not os.path.exists(task):
-        raise ValueError(f"unknown task {task!r}: use toy, gsm8k, math, or a path to a .jsonl/.parquet file or folder")
+        raise ValueError(f"unknown task {task!r}: use toy, gsm8k, math, rg:NAME (reasoning-gym), or a path to a "
+                         ".jsonl/.parquet file or folder")
     if os.path.isfile(task) and os.path.splitext(task)[1] not in DATA_EXTENSIONS:
         raise ValueError(f"task file {task!r}: expected one of {sorted(DATA_EXTENSIONS)}")
 
@@ -160,21 +217,32 @@ def normalize_rows(rows, source):
     return out, dropped
 
 
-def format_prompt(tokenizer, question, answer_format):
-    """The chat template with a system prompt asking for a checkable answer; raw text for template-less models."""
+def format_prompt(tokenizer, question, answer_format, instruction="system"):
+    """The chat template with an instruction asking for a checkable answer: as a system turn ("system", the Qwen2.5-Math
+    and DeepSeek convention), or after the question in the user turn, naming where the answer goes ("user": the
+    model's own default system prompt, if its template has one, is kept). Raw text for template-less models."""
     if getattr(tokenizer, "chat_template", None) is None:
         return question
-    messages = [{"role": "system", "content": SYSTEM_PROMPTS[answer_format]}, {"role": "user", "content": question}]
+    if instruction == "user":
+        messages = [{"role": "user", "content": f"{question.rstrip()}\n{USER_INSTRUCTIONS[answer_format]}"}]
+    else:
+        messages = [{"role": "system", "content": SYSTEM_PROMPTS[answer_format]}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500):
+def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500,
+              instruction="system"):
     """Rows {"prompt" (formatted text), "question" (as in the data), "answer"} and counts {"dropped_gold", "dropped_long"}.
 
     A single local file has no test split: its last 10 % of rows (at least one, at most `eval_size`) are held out.
     """
     if task == "toy":
         return toy_problems(split), {"dropped_gold": 0, "dropped_long": 0}
+    if task.startswith("rg:"):
+        entries, overlap = rg_rows(task, split)
+        rows = [{"prompt": entry["question"], "answer": str(entry["answer"]), "entry": entry} for entry in entries]
+        kept = _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction)
+        return kept, {"dropped_in_test": overlap, "dropped_long": len(rows) - len(kept)}
     data = _load_split(task, split)
     if len(data) == 0:
         raise ValueError(f"task {task!r} has no {split} rows")
@@ -185,21 +253,25 @@ def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=5
         cut = len(data) - n_test
         data = data.select(range(cut, len(data)) if split == "test" else range(cut))
     rows, dropped_gold = normalize_rows(data, task)
-    kept = []
-    for row in rows:
-        prompt = format_prompt(tokenizer, row["prompt"], answer_format)
-        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_length:
-            kept.append({"prompt": prompt, "question": row["prompt"], "answer": row["answer"]})
+    kept = _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction)
     return kept, {"dropped_gold": dropped_gold, "dropped_long": len(rows) - len(kept)}
+
+
+def _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction):
+    """Rows {"prompt" (formatted text), "question" (as in the data), "answer", ...} whose prompt fits."""
+    prompts = [format_prompt(tokenizer, row["prompt"], answer_format, instruction) for row in rows]
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
+    return [{**row, "prompt": prompt, "question": row["prompt"]}
+            for row, prompt, length in zip(rows, prompts, lengths) if length <= max_prompt_length]
 
 
 def load_splits(args, tokenizer, num_processes):
     """The run's train and test rows (none for --eval_only), each checked against the run's sizes, and a one-line
     summary of what was dropped at load time."""
     test, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
-                                  args.eval_size)
+                                  args.eval_size, args.instruction)
     train, train_counts = ([], {}) if args.eval_only else load_task(
-        args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size)
+        args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size, args.instruction)
     if not args.eval_only and len(train) < args.prompts_per_step:
         raise ValueError(f"only {len(train)} train prompts: lower --prompts_per_step below that")
     if (args.eval_every or args.eval_only) and len(test) < num_processes:

@@ -1,0 +1,117 @@
+"""Learning runs on a real pretrained model on this CPU: an algorithm script on SmolLM2-135M-Instruct and a
+reasoning-gym task, with a held-out greedy evaluation of the untrained model before and evaluations during the run.
+
+    python benchmarks/real_model.py                                   # grpo.py, the settings below, 150 steps
+    python benchmarks/real_model.py --scripts grpo dapo gspo cispo reinforce_pp ppo --steps 150
+
+Each run is `python SCRIPT.py` in a subprocess with the flags printed in the results; the base model's evaluation is
+`--eval_only` on the same test rows. Writes benchmarks/results/<name>.md and .png: per script, the held-out greedy
+accuracy and format rate before and at each evaluation, with the wall time (steps plus evaluations) at which it was
+reached, and the curves of reward, accuracy and format over steps and over wall time.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toy_runs import pyplot, write_results  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
+SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", "--engine", "hf",
+            "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--learning_rate", "1e-5",
+            "--beta", "0", "--threads", "2", "--eval_size", "100", "--eval_samples", "1", "--log_completions_every",
+            "10"]
+
+
+def run(script, exp, flags, out_dir, reuse):
+    """Run a script (or reuse a finished run of the same command); returns (metrics rows, wall seconds, command)."""
+    run_dir = os.path.join(out_dir, f"{exp}__1")
+    done = os.path.join(run_dir, "benchmark.json")
+    cmd = [sys.executable, os.path.join(ROOT, script), "--exp_name", exp, "--output_dir", out_dir, *flags]
+    if reuse and os.path.exists(done) and json.load(open(done))["cmd"][1:] == cmd[1:]:
+        wall = json.load(open(done))["wall_s"]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        start = time.time()
+        with open(os.path.join(out_dir, f"{exp}.log"), "w") as log:
+            subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
+        wall = time.time() - start
+        with open(done, "w") as f:
+            json.dump({"cmd": cmd, "wall_s": wall, "load_1min": os.getloadavg()[0]}, f)
+    name = "eval_only.jsonl" if "--eval_only" in flags else "metrics.jsonl"
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, name))]
+    return rows, wall, " ".join(["python", script, *flags])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scripts", nargs="+", default=["grpo"])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--eval_every", type=int, default=25)
+    parser.add_argument("--name", default="smollm2_chain_sum")
+    parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more flags for every run")
+    args = parser.parse_args()
+    extra = [a for a in args.extra if a != "--"]
+    out_dir = os.path.join(args.out_dir, args.name)
+    os.makedirs(out_dir, exist_ok=True)
+    base, base_wall, base_cmd = run("grpo.py", "base", [*SETTINGS, "--eval_only", *extra], out_dir, args.reuse)
+    lines = [f"# {args.name}", "", f"Command: `python benchmarks/real_model.py --scripts {' '.join(args.scripts)} "
+             f"--steps {args.steps} --eval_every {args.eval_every} --name {args.name}"
+             f"{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             f"Untrained model (`{base_cmd}`, {base_wall:.0f} s): held-out greedy accuracy "
+             f"{base[-1]['eval/pass@1_greedy']:.3f}, greedy format {base[-1]['eval/format_greedy']:.3f}, sampled "
+             f"(T 0.6) accuracy {base[-1]['eval/pass@1_sampled_k1']:.3f} on {base[-1]['eval/problems']} problems.", "",
+             "| script | step | wall min | held-out greedy accuracy | greedy format | train reward (10-step mean) | "
+             "train accuracy | train format | completion length |", "|" + "---|" * 9]
+    results = {}
+    for script in args.scripts:
+        flags = [*SETTINGS, "--total_steps", str(args.steps), "--eval_every", str(args.eval_every), *extra]
+        rows, wall, cmd = run(f"{script}.py", script, flags, out_dir, args.reuse)
+        results[script] = rows
+        elapsed = np.cumsum([r["time/step"] + r.get("time/eval", 0.0) for r in rows]) / 60
+        lines.append(f"| {script} | 0 | 0 | {base[-1]['eval/pass@1_greedy']:.3f} | "
+                     f"{base[-1]['eval/format_greedy']:.3f} | | | | |")
+        for k, r in enumerate(rows):
+            if "eval/pass@1_greedy" in r:
+                window = rows[max(0, k - 9):k + 1]
+                lines.append(f"| {script} | {r['step']} | {elapsed[k]:.1f} | {r['eval/pass@1_greedy']:.3f} | "
+                             f"{r['eval/format_greedy']:.3f} | {np.mean([w['charts/reward'] for w in window]):.3f} | "
+                             f"{np.mean([w['charts/accuracy'] for w in window]):.3f} | "
+                             f"{np.mean([w['charts/format'] for w in window]):.3f} | "
+                             f"{np.mean([w['charts/completion_length'] for w in window]):.1f} |")
+        lines += ["", f"{script}: `{cmd}`; wall {wall / 60:.1f} min in all (model loading included), median step "
+                  f"{np.median([r['time/step'] for r in rows]):.1f} s, 1-minute load at the end "
+                  f"{json.load(open(os.path.join(out_dir, f'{script}__1', 'benchmark.json')))['load_1min']:.2f}.", ""]
+    path = write_results(args.name, lines)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4))
+    for script, rows in results.items():
+        steps = [r["step"] for r in rows]
+        smooth = lambda key: np.convolve([r[key] for r in rows], np.ones(10) / 10, mode="valid")  # noqa: E731
+        for ax, key in zip(axes[:2], ("charts/accuracy", "charts/format")):
+            ax.plot(steps[9:], smooth(key), label=script)
+        evals = [(r["step"], r["eval/pass@1_greedy"]) for r in rows if "eval/pass@1_greedy" in r]
+        axes[2].plot([0] + [s for s, _ in evals], [base[-1]["eval/pass@1_greedy"]] + [a for _, a in evals], "o-",
+                     label=script)
+    axes[0].set(xlabel="step", ylabel="train accuracy (10-step mean)", title=f"SmolLM2-135M, {TASK[3:]}")
+    axes[1].set(xlabel="step", ylabel="train format rate (10-step mean)", title="boxed, readable answers")
+    axes[2].set(xlabel="step", ylabel="held-out greedy accuracy", title="held-out greedy pass@1")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path + ".png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

