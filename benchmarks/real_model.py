@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy_runs import pyplot, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
+TASK = "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1"
 SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", "--engine", "hf",
             "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--learning_rate", "1e-5",
             "--beta", "0", "--threads", "2", "--eval_size", "100", "--eval_samples", "1", "--log_completions_every",
@@ -32,12 +32,15 @@ SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", 
 
 
 def run(script, exp, flags, out_dir, reuse):
-    """Run a script (or reuse a finished run of the same command); returns (metrics rows, wall seconds, command)."""
+    """Run a script (or reuse a finished run of the same command, or with --reuse the steps a stopped run logged);
+    returns (metrics rows, wall seconds or None for a stopped run, command)."""
     run_dir = os.path.join(out_dir, f"{exp}__1")
     done = os.path.join(run_dir, "benchmark.json")
     cmd = [sys.executable, os.path.join(ROOT, script), "--exp_name", exp, "--output_dir", out_dir, *flags]
     if reuse and os.path.exists(done) and json.load(open(done))["cmd"][1:] == cmd[1:]:
         wall = json.load(open(done))["wall_s"]
+    elif reuse and not os.path.exists(done) and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        wall = None  # stopped before its end: its logged steps are reported as such
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
         start = time.time()
@@ -89,9 +92,11 @@ def main():
                              f"{np.mean([w['charts/accuracy'] for w in window]):.3f} | "
                              f"{np.mean([w['charts/format'] for w in window]):.3f} | "
                              f"{np.mean([w['charts/completion_length'] for w in window]):.1f} |")
-        lines += ["", f"{script}: `{cmd}`; wall {wall / 60:.1f} min in all (model loading included), median step "
-                  f"{np.median([r['time/step'] for r in rows]):.1f} s, 1-minute load at the end "
-                  f"{json.load(open(os.path.join(out_dir, f'{script}__1', 'benchmark.json')))['load_1min']:.2f}.", ""]
+        ending = (f"stopped at step {rows[-1]['step']}" if wall is None else f"wall {wall / 60:.1f} min in all (model "
+                  f"loading included), 1-minute load at the end "
+                  f"{json.load(open(os.path.join(out_dir, f'{script}__1', 'benchmark.json')))['load_1min']:.2f}")
+        lines += ["", f"{script}: `{cmd}`; {ending}; median step {np.median([r['time/step'] for r in rows]):.1f} s.",
+                  ""]
     path = write_results(args.name, lines)
     plt = pyplot()
     if plt is None:

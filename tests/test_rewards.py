@@ -291,16 +291,19 @@ def test_reasoning_gym_answers_are_checked_by_the_task_verifier(rg_rows):
     assert counts["errors"] == counts["timeouts"] == 0
 
 
-def test_a_hanging_or_raising_verifier_costs_one_answer():
+def test_a_hanging_verifier_costs_one_answer_and_writes_nothing(tmp_path):
     from utils.tasks import rg_rows as make_rows
 
     task = "rg:polynomial_multiplication"  # its verifier runs sympy.parse_expr on the answer: a tower never ends
     entry = make_rows(task, "test")[0][0]
     row = {"answer": entry["answer"], "entry": entry}
-    texts = ["\\boxed{9**9**9**9**9}", f"\\boxed{{{entry['answer']}}}", "\\boxed{(}"]
+    target = tmp_path / "written_by_the_answer"
+    texts = ["\\boxed{9**9**9**9**9}", f"\\boxed{{{entry['answer']}}}", "\\boxed{(}",
+             f"\\boxed{{open('{target}', 'w').write('x' * 100)}}"]  # eval'd by the verifier: no file writes there
     with RewardScorer(task, "boxed", num_workers=1, timeout=2.0) as s:
-        acc, _, counts = s.result(s.submit(texts, [row] * 3))
-    assert acc == [0.0, 1.0, 0.0] and counts["timeouts"] == 1
+        acc, _, counts = s.result(s.submit(texts, [row] * len(texts)))
+    assert acc == [0.0, 1.0, 0.0, 0.0] and counts["timeouts"] == 1
+    assert not target.exists() or target.stat().st_size == 0
 
 
 def test_a_verifier_exception_is_counted(monkeypatch, rg_rows):

@@ -76,7 +76,6 @@ def convert_gguf(path, folder):
     model.hf_quantizer = None
     with contextlib.suppress(AttributeError):
         del model.config.quantization_config
-    model.config.name_or_path = os.path.basename(path)
     tmp = f"{folder}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

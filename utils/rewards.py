@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import re
 import resource
+import signal
 import threading
 import time
 from decimal import Decimal
@@ -201,12 +202,16 @@ def rg_score(dataset, answer, entry):
 
 def _worker(conn, memory_bytes, rg_task=None):
     """Worker process: receive (task id, gold, answers), send (task id, item index, status, value) per answer. For a
-    reasoning-gym task the gold is the row's entry and the dataset's score_answer checks each answer."""
+    reasoning-gym task the gold is the row's entry and the dataset's score_answer checks each answer. memory_bytes 0:
+    no process limits (the tests run this loop on a thread)."""
     if memory_bytes:
         try:  # address-space limit on top of what the process already maps (Linux; elsewhere time limits only)
             with open("/proc/self/statm") as f:
                 mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
             resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
+            # no file writes: some reasoning-gym verifiers run sympy.parse_expr, i.e. Python's eval, on the answer
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
         except (OSError, ValueError):
             pass
     from math_verify import verify
