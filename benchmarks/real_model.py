@@ -110,7 +110,7 @@ def main():
         evals = [(r["step"], r["eval/pass@1_greedy"]) for r in rows if "eval/pass@1_greedy" in r]
         axes[2].plot([0] + [s for s, _ in evals], [base[-1]["eval/pass@1_greedy"]] + [a for _, a in evals], "o-",
                      label=script)
-    axes[0].set(xlabel="step", ylabel="train accuracy (10-step mean)", title=f"SmolLM2-135M, {TASK[3:]}")
+    axes[0].set(xlabel="step", ylabel="train accuracy (10-step mean)", title="SmolLM2-135M-Instruct, rg:chain_sum")
     axes[1].set(xlabel="step", ylabel="train format rate (10-step mean)", title="boxed, readable answers")
     axes[2].set(xlabel="step", ylabel="held-out greedy accuracy", title="held-out greedy pass@1")
     axes[0].legend()
