@@ -19,7 +19,7 @@ import socket
 
 import numpy as np
 
-from utils.rewards import extract_boxed, gold_parses
+from utils.rewards import ANSWER_PLACEHOLDER, extract_boxed, gold_parses
 
 TOY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_model")
 HUB_TASKS = {  # name: (train (path, config, split), test (path, config, split))
@@ -33,8 +33,8 @@ SYSTEM_PROMPTS = {
 RG_TRAIN_SIZE, RG_TEST_SIZE = 10_000, 500  # rows generated per split of a reasoning-gym task
 RG_TRAIN_SEED, RG_TEST_SEED = 0, 10**9  # entry i uses seed + i: these never meet
 USER_INSTRUCTIONS = {  # a copy of the placeholder is never a readable answer (utils/rewards.py)
-    "boxed": "Give the final answer as \\boxed{ANSWER}.",
-    "answer_tags": "Give the final answer as <answer>ANSWER</answer>.",
+    "boxed": f"Give the final answer as \\boxed{{{ANSWER_PLACEHOLDER}}}.",
+    "answer_tags": f"Give the final answer as <answer>{ANSWER_PLACEHOLDER}</answer>.",
 }
 PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
