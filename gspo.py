@@ -530,7 +530,9 @@ def main(args):
     torch.set_num_threads(args.threads)
     quiet_libraries()
     on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
+    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=mixed_precision if on_gpu else "no")
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
     # Bad input fails here, in one line, before the models load.
     try:

@@ -1,5 +1,5 @@
 """PPO for LLMs with a learned critic and GAE (lm-human-preferences arXiv 1909.08593, InstructGPT arXiv 2203.02155, "The
-N implementation details of RLHF with PPO"; ALGORITHMS.md §8). For each prompt q, sample a completion o from pi_old:
+N implementation details of RLHF with PPO"). For each prompt q, sample a completion o from pi_old:
 
   r_t   = -beta * (log pi_old(o_t) - log pi_ref(o_t)) + [t = last] * R(q, o)   per-token reward: k1 KL, detached
   A_t   = sum_l (gamma lam)^l delta_t+l,  delta_t = r_t + gamma V_old(s_t+1) - V_old(s_t),  V after the last token = 0
@@ -11,7 +11,8 @@ rho_t = pi_theta/pi_old per token (exactly 1 on the first mini-batch). V is the 
 zero-initialized (V = 0 at first: the first advantages are the returns, with no noise from a random head), trained
 by its own AdamW on L_V in the same mini-batch steps as the policy (two optimizers, as verl and OpenRLHF: no vf_coef).
 Differences from grpo.py: no groups (G = 1), the critic, per-token rewards and GAE instead of group z-scores, k1 KL in
-the reward (the reverse KL's gradient, §1.1), token-mean, mu = 4 (2 epochs of 2 mini-batches), adaptive KL optional.
+the reward (the reverse KL's gradient: Tang & Munos arXiv 2506.09477), token-mean, mu = 4 (2 epochs of 2 mini-batches),
+adaptive KL optional.
 """
 
 import contextlib
@@ -548,7 +549,9 @@ def main(args):
     torch.set_num_threads(args.threads)
     quiet_libraries()
     on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
+    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=mixed_precision if on_gpu else "no")
     run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
     # Bad input fails here, in one line, before the models load.
     try:
