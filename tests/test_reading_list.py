@@ -1,21 +1,22 @@
 """The reading-list switches of grpo.py (and of the scripts sharing its blocks): GDPO's decoupled reward normalization
-(ALGORITHMS.md §12.9) and training on high-entropy tokens only (arXiv 2506.01939), whose threshold is the whole
+(arXiv 2601.05242, hand values) and training on high-entropy tokens only (arXiv 2506.01939), whose threshold is the whole
 mini-batch's, whatever the micro-batch size."""
 
 import copy
 
+import numpy
 import pytest
 import torch
 
 import grpo
 from tests.helpers import SMALL, resolved, run_grpo
 from tests.test_engine import rollout, setup
-from utils.rl import decoupled_group_advantages, entropy_threshold, group_advantages
+from utils.rl import decoupled_group_advantages, entropy_threshold, group_advantages, linear_quantile
 
 PARTS = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])  # 2 prompts x G = 2, (accuracy, format)
 
 
-def test_gdpo_reference_numbers_and_what_grpo_collapses():  # §12.9, unbiased std
+def test_gdpo_reference_numbers_and_what_grpo_collapses():  # hand values, unbiased std
     grpo_adv = group_advantages((PARTS @ torch.ones(2)).view(2, 2), "group", 1e-4).view(-1)
     assert grpo_adv.tolist() == pytest.approx([-0.707057, 0.707057, -0.707007, 0.707007], abs=1e-6)
     gdpo_adv = decoupled_group_advantages(PARTS, torch.ones(2), 2, eps=1e-4)  # TRL's eps
@@ -30,6 +31,11 @@ def test_gdpo_weights_and_equal_groups():
     weighted = decoupled_group_advantages(PARTS, torch.tensor([1.0, 0.1]), 2)
     assert weighted[1] / weighted[3] == pytest.approx(1.1)  # each part's z-score, weighted
     assert decoupled_group_advantages(torch.ones(4, 2), torch.ones(2), 2).tolist() == [0.0] * 4
+
+
+def test_gdpo_weights_follow_the_rewards_device():  # the weights are built on the CPU, the rewards live on the GPU
+    parts = PARTS.to("meta")  # a non-CPU device on any machine: a device mismatch raises as it would on CUDA
+    assert decoupled_group_advantages(parts, torch.tensor([1.0, 0.1]), 2).device.type == "meta"
 
 
 def test_gdpo_arguments():
@@ -51,6 +57,19 @@ def test_entropy_threshold_is_the_quantile_of_the_valid_tokens():
     gather = lambda t: torch.cat([t, other])  # noqa: E731
     assert entropy_threshold(entropy, mask, 0.2, gather).item() == pytest.approx(
         torch.quantile(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 2.0, 3.0]), 0.8).item())
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 1000, 2**24 + 1])  # torch.quantile refuses more than 2**24 elements
+def test_linear_quantile_is_torch_quantile_without_its_size_limit(size):
+    values = torch.rand(size, generator=torch.Generator().manual_seed(size))
+    for q in (0.0, 0.2, 0.8, 0.999, 1.0):
+        # numpy's linear method in float64: float32 values, and an interpolation weight computed in another precision
+        # than torch's, agree to float32 rounding, not bit for bit
+        expected = numpy.quantile(values.double().numpy(), q)
+        assert linear_quantile(values, q).item() == pytest.approx(expected, abs=1e-6)
+        if size <= 2**24:
+            assert linear_quantile(values, q).item() == pytest.approx(torch.quantile(values, q).item(), abs=1e-6)
+    assert linear_quantile(values.to("meta"), 0.8).device.type == "meta"
 
 
 def test_high_entropy_tokens_only_the_threshold_is_the_mini_batchs():

@@ -1,12 +1,11 @@
 """Pure tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation,
 the rollout batch's layout.
-Formulas, placements and reference numbers: ALGORITHMS.md §1 and §12 (in the shared design notes).
 """
 
 import torch
 
 # --- KL estimators, elementwise in log space: delta = logp - ref_logp, samples drawn from pi_theta --------------------
-# Which gradient each one gives depends on where it is placed (Tang & Munos arXiv 2506.09477; ALGORITHMS.md §1.1):
+# Which gradient each one gives depends on where it is placed (Tang & Munos arXiv 2506.09477):
 #   k1 in the reward (detached, score-function gradient): grad KL(pi||ref), correct; PPO, REINFORCE++ v1.
 #   k1 as a loss: zero expected gradient: regularizes nothing.
 #   k2 as a loss: grad KL(pi||ref) per token, correct.
@@ -70,11 +69,13 @@ def decoupled_group_advantages(parts, weights, num_generations, eps=1e-6):
     over the batch; parts (N, K): K rewards of N completions in consecutive groups, weights (K,) -> advantages (N,).
 
     GRPO z-scores the weighted sum instead, which gives every group with two distinct totals the same advantages
-    (0/1 accuracy with 0/1 format: (0,0) vs (1,1) and (0,0) vs (1,0) both become -+0.707). Unbiased std plus eps at
-    both levels, as TRL's normalize_then_sum (eps 1e-4; verl's GDPO uses 1e-6, the default here)."""
+    (0/1 accuracy with 0/1 format: (0,0) vs (1,1) and (0,0) vs (1,0) both become -+0.707). As the paper: unbiased std
+    plus eps at both levels, every completion weighing the same in the batch step (TRL's normalize_then_sum, with eps
+    1e-4). The default eps 1e-6 is that of verl's GDPO group step; verl's batch step differs (rsqrt(var + 1e-8), and
+    rollouts weighted by their token counts)."""
     per_reward = torch.stack([group_advantages(parts[:, k].reshape(-1, num_generations), "group", eps).reshape(-1)
                               for k in range(parts.shape[-1])], dim=-1)
-    summed = per_reward @ weights.to(per_reward.dtype)
+    summed = per_reward @ weights.to(per_reward)  # weights may come from the CPU, the parts from the accelerator
     return (summed - summed.mean()) / (summed.std() + eps)
 
 
@@ -86,7 +87,17 @@ def entropy_threshold(entropy, mask, top_frac, gather_padded=None):
     if gather_padded is not None:
         valid = gather_padded(valid)
         valid = valid[~torch.isnan(valid)]
-    return torch.quantile(valid, 1 - top_frac)
+    return linear_quantile(valid, 1 - top_frac)
+
+
+def linear_quantile(values, q):
+    """torch.quantile(values, q) for a 1-D tensor (linear interpolation between the two nearest ranks) without its
+    limit of 2**24 elements, which one paper-scale mini-batch of tokens over all processes exceeds."""
+    position = q * (values.numel() - 1)
+    lower = int(position)  # floor: position >= 0
+    below = torch.kthvalue(values, lower + 1).values  # kthvalue counts from 1
+    above = torch.kthvalue(values, min(lower + 2, values.numel())).values
+    return torch.lerp(below, above, torch.tensor(position - lower, dtype=values.dtype, device=values.device))
 
 
 def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_reduce=None):
