@@ -7,9 +7,8 @@ loop), using grpo.py's own functions (create_engine, generate, batched_logprobs,
 
 No hub: the model is a Qwen2 config with Qwen2.5-0.5B's sizes and random weights, saved locally with a word-level
 tokenizer of the same vocabulary; prompts are random token ids. Random weights almost never sample EOS (about
-1/151,936 per token), so completions run to --new_tokens: the forced length of the reference measurement (ALGORITHMS
-and shared/gpu/README.md: TRL colocated 6.6-9.1 s/step, vLLM alone 15.7k tokens/s on an H200). One JSON object per
-engine goes to --out and a table to stdout.
+1/151,936 per token), so completions run to --new_tokens: every engine and step does the same, known amount of work.
+One JSON object per engine goes to --out and a table to stdout.
 """
 
 import argparse

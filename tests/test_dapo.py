@@ -1,5 +1,5 @@
 """dapo.py: the loss and its gradient against the paper's formula written as loops here (both normalizers), the
-reference numbers of ALGORITHMS.md §12.4 and §12.8, clip-higher, the on-policy identity, dynamic sampling (which
+reference numbers computed by hand for clip-higher and the overlong reward (arXiv 2503.14476), clip-higher, the on-policy identity, dynamic sampling (which
 groups are kept, how many each process trains on, the give-up path) and end-to-end runs with 1 and 2 processes."""
 
 import dataclasses
@@ -59,7 +59,7 @@ def test_group_token_mean_is_the_per_group_normalizer(seed):
 @pytest.mark.parametrize("ratio, value, grad_flows", [(0.5, -0.5, True), (0.9, -0.9, True), (1.0, -1.0, True),
                                                       (1.1, -1.1, True), (1.25, -1.25, True), (1.3, -1.28, False),
                                                       (5.0, -1.28, False)])
-def test_clip_higher_reference_numbers(ratio, value, grad_flows):  # §12.4, A = +1, DAPO (0.2, 0.28)
+def test_clip_higher_reference_numbers(ratio, value, grad_flows):  # A = +1, DAPO (0.2, 0.28)
     old = torch.tensor([[-1.0]])
     logp = (old + math.log(ratio)).requires_grad_(True)
     loss, means, _ = dapo.compute_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1))
@@ -93,7 +93,7 @@ def test_on_policy_identity():
 
 @pytest.mark.parametrize("length, penalty", [(1000, 0.0), (16384, 0.0), (16385, -0.000244), (18432, -0.5),
                                              (20479, -0.999756), (20480, -1.0), (20481, -1.0)])
-def test_overlong_reward_reference_numbers(length, penalty):  # §12.8, L_max 20480, L_cache 4096
+def test_overlong_reward_reference_numbers(length, penalty):  # overlong shaping, L_max 20480, L_cache 4096
     assert dapo.overlong_reward([length], 20480, 4096).item() == pytest.approx(penalty, abs=1e-6)
 
 

@@ -1,5 +1,5 @@
 """gspo.py and cispo.py: each loss and its gradient against the paper's formula written as loops here, the reference
-numbers of ALGORITHMS.md §12.5 and §12.6, the on-policy identity, the off-policy cases that tell each apart from GRPO,
+numbers computed by hand from GSPO's objective (arXiv 2507.18071) and CISPO's (arXiv 2506.13585 §3.1), the on-policy identity, the off-policy cases that tell each apart from GRPO,
 and a short end-to-end run of each script."""
 
 import dataclasses
@@ -37,7 +37,7 @@ def test_gspo_token_form_matches_the_sequence_objective(seed, eps_low, eps_high)
 
 
 @pytest.mark.parametrize("adv, loss_value, grad_flows", [(1.0, -1.0004, False), (-1.0, 1.00075028, True)])
-def test_gspo_reference_numbers(adv, loss_value, grad_flows):  # §12.5
+def test_gspo_reference_numbers(adv, loss_value, grad_flows):  # hand values
     old = torch.zeros(1, 4)
     logp = torch.tensor([[0.002, -0.001, 0.0005, 0.0015]], requires_grad=True)
     loss, means, _ = gspo.compute_loss(logp, old, torch.tensor([adv]), torch.ones(1, 4))
@@ -95,7 +95,7 @@ def test_cispo_loss_and_gradient_match_the_paper(seed, eps_low, eps_high):
 
 @pytest.mark.parametrize("ratio, weight", [(0.1, 0.1), (0.5, 0.5), (1.0, 1.0), (1.2, 1.2), (1.5, 1.2), (3.0, 1.2),
                                            (6.0, 1.2)])
-def test_cispo_weights_relative_convention(ratio, weight):  # §12.6, paper/verl clip(r, 1 - 10, 1 + 0.2)
+def test_cispo_weights_relative_convention(ratio, weight):  # paper/verl clip(r, 1 - 10, 1 + 0.2)
     old = torch.tensor([[-1.0]])
     logp = (old + math.log(ratio)).requires_grad_(True)
     loss, _, _ = cispo.compute_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps_low=10.0,

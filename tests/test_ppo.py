@@ -1,4 +1,4 @@
-"""ppo.py: GAE and the per-token rewards against hand values and ALGORITHMS.md §12.11 (masks, a sequence that ends
+"""ppo.py: GAE and the per-token rewards against hand values (masks, a sequence that ends
 before the batch's longest), the clipped value loss, the whitening, the policy loss and its gradient against a loop,
 the on-policy identity, the adaptive KL controller, the zero-initialized critic, exact resume (critic, its optimizer
 and beta restored) and end-to-end runs with 1 and 2 processes."""
@@ -26,7 +26,7 @@ PPO_SMALL = ["--prompts_per_step", "8", "--micro_batch_size", "2", "--eval_size"
              "--log_completions_every", "1"]  # 8 completions a step: 2 epochs of 2 mini-batches of 4
 
 
-def test_reward_assembly_and_gae_reference_numbers():  # §12.11
+def test_reward_assembly_and_gae_reference_numbers():  # by hand: r_t, delta_t, A_t = delta_t + gamma lambda A_{t+1}
     logp, ref = torch.tensor([[-1, -0.5, -2, -0.3]]), torch.tensor([[-1.2, -0.5, -1, -0.4]])
     mask, values = torch.ones(1, 4), torch.tensor([[0.2, 0.3, 0.5, 0.6]])
     rewards = token_rewards(torch.tensor([1.0]), mask, logp - ref, beta=0.1)  # k1 on every token, score on the last

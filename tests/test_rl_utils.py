@@ -1,4 +1,6 @@
-"""utils/rl.py against the reference numbers of ALGORITHMS.md §12 (computed there with NumPy)."""
+"""utils/rl.py against reference numbers computed by hand (NumPy, float64) from each formula: the KL estimators of
+Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv 2506.09477), GRPO's group z-score
+(arXiv 2402.03300 §4.1.2), token-weighted whitening (REINFORCE++ arXiv 2501.03262) and the loss aggregations."""
 
 import pytest
 import torch
@@ -15,13 +17,13 @@ T = torch.tensor
     (-0.5, -3.0, (2.5, 3.125, 1.582085)),
     (-0.7, -0.7, (0.0, 0.0, 0.0)),
 ])
-def test_kl_values(logp, ref, expected):  # §12.7
+def test_kl_values(logp, ref, expected):  # k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d
     got = [f(T(logp), T(ref)).item() for f in (kl_k1, kl_k2, kl_k3)]
     assert got == pytest.approx(expected, abs=1e-6)
     assert kl_k3(T(logp), T(ref), straight_through=True).item() == pytest.approx(expected[2], abs=1e-6)
 
 
-# §12.7: pi = softmax(THETA), ref = softmax(REF_LOGITS); exact expectations over the 5 tokens, no sampling noise.
+# pi = softmax(THETA), ref = softmax(REF_LOGITS); exact expectations over the 5 tokens, no sampling noise.
 THETA = [0.5, -0.2, 1.0, 0.0, -1.0]
 REF_LOGITS = [0.0, 0.3, 0.2, -0.5, 0.1]
 GRAD_REVERSE_KL = [0.022720, -0.113646, 0.161891, 0.013780, -0.084745]  # grad KL(pi || ref)
@@ -51,7 +53,7 @@ def test_kl_placement_gradients(name, per_sample_loss, expected):
     assert expected_gradient(per_sample_loss) == pytest.approx(expected, abs=1e-6), name
 
 
-@pytest.mark.parametrize("rewards, group_eps6, group_eps4, mean_only", [  # §12.1
+@pytest.mark.parametrize("rewards, group_eps6, group_eps4, mean_only", [  # (r - mean) / (std + eps), unbiased std
     ([1, 0, 0, 0], [1.499997, -0.499999, -0.499999, -0.499999], [1.4997, -0.4999, -0.4999, -0.4999],
      [0.75, -0.25, -0.25, -0.25]),
     ([1, 1, 0, 0], [0.866024, 0.866024, -0.866024, -0.866024], [0.865875, 0.865875, -0.865875, -0.865875],
@@ -77,7 +79,7 @@ def test_batch_std_scaling():
         group_advantages(r, "sequence")
 
 
-def test_masked_whiten_token_weighted():  # §12.2: REINFORCE++-baseline, two groups with lengths 2..8 and 3
+def test_masked_whiten_token_weighted():  # REINFORCE++-baseline, two groups with lengths 2..8 and 3
     scalar = T([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75], dtype=torch.float64)
     lengths = [2, 4, 6, 8, 3, 3, 3, 3]
     mask = (torch.arange(8)[None, :] < T(lengths)[:, None]).double()
@@ -94,7 +96,7 @@ LOSS = T([[1.0, 2, 3, 0, 0], [4, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
 MASK = T([[1.0, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
 
 
-@pytest.mark.parametrize("mode, expected", [  # §12.3
+@pytest.mark.parametrize("mode, expected", [  # by hand from the three rows below
     ("token-mean", 15 / 9), ("seq-mean-token-mean", 7 / 3), ("seq-mean-token-sum", 5.0),
     ("seq-mean-token-sum-norm", 1.0),
 ])
