@@ -1,7 +1,7 @@
-"""Statistics over finished toy_runs.py runs that the README quotes beside the tables: seconds until the 5-step mean
-reward is 0.2 above the first 5 steps', and per-algorithm metrics (DAPO's generation rounds, PPO's critic, the
-high-entropy-token threshold and kept fraction, accuracy and format over the first 5 steps), and the steps at which
-the 10-step mean reward reached 0.7, 0.8 and 0.9.
+"""Statistics over finished toy_runs.py runs that benchmarks/README.md quotes beside the tables: seconds until the
+5-step mean reward is 0.2 above the first 5 steps', and per-algorithm metrics (DAPO's generation rounds, PPO's
+critic, the high-entropy-token threshold and kept fraction, accuracy and format over the first 5 steps), and the steps
+at which the 10-step mean reward reached 0.7, 0.8 and 0.9.
 
     python benchmarks/run_stats.py runs/benchmarks/toy_family runs/benchmarks/toy_reading_list
 """

@@ -60,7 +60,7 @@ def run(variant, seed, steps, out_dir, extra, reuse=False):
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.time() - start
         with open(done, "w") as f:
-            json.dump({"cmd": cmd, "wall_s": wall, "finished": time.strftime("%Y-%m-%d %H:%M")}, f)
+            json.dump({"cmd": cmd, "wall_s": wall}, f)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
 

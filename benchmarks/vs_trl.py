@@ -3,7 +3,7 @@
     pip install -r benchmarks/requirements.txt        # trl==1.16.0 (benchmark only: the test suite does not need it)
     python benchmarks/vs_trl.py                       # 3 seeds x 250 steps, the two sides alternating, one at a time
     python benchmarks/vs_trl.py --seeds 1 --steps 20 --name vs_trl_smoke
-    python benchmarks/vs_trl.py --pool vs_trl vs_trl_run3  # medians over the runs of several invocations together
+    python benchmarks/vs_trl.py --pool vs_trl vs_trl_repeat  # medians over the runs of several invocations together
 
 Each seed runs `python grpo.py` and TRL 1.16's GRPOTrainer (this file with --side trl) in subprocesses, one at a time
 (one torch thread each), alternating which side goes first. TRL gets a dataset listing, step after step, exactly the
@@ -156,8 +156,7 @@ def run_side(side, seed, steps, out_dir, reuse):
         start = time.time()
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(done, "w") as f:
-            json.dump({"cmd": cmd, "wall_s": time.time() - start, "finished": time.strftime("%Y-%m-%d %H:%M"),
-                       "loadavg_1min": os.getloadavg()[0]}, f)
+            json.dump({"cmd": cmd, "wall_s": time.time() - start, "loadavg_1min": os.getloadavg()[0]}, f)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"side": side, "seed": seed, "rows": rows, **json.load(open(done))}
 
@@ -197,7 +196,7 @@ def main():
     loads = [r["loadavg_1min"] for r in results]
     lines = [f"# {args.name}", "", f"Command: `python benchmarks/vs_trl.py --seeds {' '.join(map(str, args.seeds))} "
              f"--steps {args.steps} --name {args.name}`; runs one at a time, 1-min load average at the end of each run "
-             f"{min(loads):.2f}-{max(loads):.2f}; finished {results[-1]['finished']}.", "",
+             f"{min(loads):.2f}-{max(loads):.2f}.", "",
              "| side | seed | reward first 5 | reward last 5 | median step s | "
              + " | ".join(f"s to {level}" for level in LEVELS) + f" | step at {LEVELS[-1]} | wall s |",
              "|" + "---|" * (7 + len(LEVELS))]
