@@ -76,7 +76,7 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
     num_generations: int = 1
-    """completions per prompt (PPO needs no groups: more distinct prompts learn faster per second, README)"""
+    """completions per prompt (PPO needs no groups; more distinct prompts learn faster per second)"""
     prompts_per_step: int = 128
     """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
     # optimization

@@ -1,6 +1,7 @@
-"""dapo.py: the loss and its gradient against the paper's formula written as loops here (both normalizers), the
-reference numbers computed by hand for clip-higher and the overlong reward (arXiv 2503.14476), clip-higher, the on-policy identity, dynamic sampling (which
-groups are kept, how many each process trains on, the give-up path) and end-to-end runs with 1 and 2 processes."""
+"""dapo.py (arXiv 2503.14476): the loss and its gradient against the paper's formula written as loops here (both
+normalizers), reference numbers computed by hand for clip-higher and the overlong reward, the on-policy identity,
+dynamic sampling (which groups are kept, how many each process trains on, the give-up path) and end-to-end runs with 1
+and 2 processes."""
 
 import dataclasses
 import json
@@ -136,6 +137,7 @@ def test_help_documents_every_argument():
         assert "--" + field.name.replace("_", "-") in out or "--" + field.name in out, field.name
 
 
+@pytest.mark.slow
 def test_one_process_dynamic_sampling_off_policy(tmp_path):
     """Rounds of fresh prompts until 4 informative groups; 4 mini-batches, the first on-policy (ratio exactly 1)."""
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--filter_groups_by", "reward",
@@ -150,6 +152,7 @@ def test_one_process_dynamic_sampling_off_policy(tmp_path):
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and "eval/pass@1_greedy" in rows[1]
 
 
+@pytest.mark.slow
 def test_give_up_path_trains_on_nothing_when_no_group_is_informative(tmp_path):
     """Golds the model never writes: every group's accuracy is all 0, so max_num_gen_batches rounds run, no group is
     kept, the step says so in its metrics and the weights do not move."""
@@ -168,6 +171,7 @@ def test_give_up_path_trains_on_nothing_when_no_group_is_informative(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in after)
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path):
     """Each process keeps its own groups; the stop test and the trained count are collective, so both run the same
     rounds, train on as many groups, and the run ends (a rank waiting forever would hit the timeout)."""

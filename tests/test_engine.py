@@ -76,6 +76,7 @@ def test_stop_tokens_and_truncation():
     assert batch["completion_mask"].sum(-1).tolist() == [5.0] * 16
 
 
+@pytest.mark.slow
 def test_fsdp_ranks_keep_stepping_until_every_rank_is_done():
     """Under FSDP every rank must run every forward pass: a rank whose rows are all finished keeps decoding a dummy
     row while another rank is still busy, and its own completions are the same as when it stops."""
@@ -116,8 +117,11 @@ def test_single_update_reuses_the_forward_pass_exactly():
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         b = dict(batch, old_logp=old_logp.clone()) if precomputed else dict(batch)
         used, stats = grpo.update_policy(args, policy, optimizer, b, accelerator)
-        assert stats["maxes"]["policy/first_minibatch_ratio_dev_max"] == 0
-        assert torch.equal(used * b["completion_mask"], old_logp * b["completion_mask"])
+        # pi_old from the training pass itself or from a separate pass: the same model on micro-batches of other
+        # shapes, whose kernels may round differently (AVX-512, AMX): equal to float32 rounding, not bit for bit
+        assert torch.allclose(used * b["completion_mask"], old_logp * b["completion_mask"], atol=1e-5)
+        if precomputed:  # (from the training pass, the first mini-batch's ratio is exactly 1 by construction)
+            assert stats["maxes"]["policy/first_minibatch_ratio_dev_max"] < 1e-5
         updated.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
     assert torch.allclose(updated[0], updated[1], atol=1e-7)
     assert not torch.allclose(updated[0], torch.cat([p.detach().flatten() for p in model.parameters()]))

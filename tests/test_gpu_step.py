@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
+@pytest.mark.slow
 def test_gpu_step_at_a_tiny_shape(tmp_path):
     out = tmp_path / "gpu_step.jsonl"
     proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--shape", "tiny", "--engines", "hf", "--steps",

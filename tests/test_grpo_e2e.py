@@ -105,6 +105,7 @@ def test_unknown_hub_model_offline_fails_fast(tmp_path):
     assert time.time() - start < 20
 
 
+@pytest.mark.slow
 def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     """mu = 4 updates per rollout: the first mini-batch is on-policy (ratio exactly 1), later ones are not."""
     proc, rows = run_grpo(["--total_steps", "3", "--num_epochs", "2", "--num_minibatches", "2", "--eval_every", "2",
@@ -127,7 +128,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     assert "Removed shared tensor" not in noise and "Loading weights" not in noise
     assert not (run_dir / "checkpoint" / "model_1.safetensors").exists()  # the frozen reference is not saved
     assert (run_dir / "checkpoint" / "model.safetensors").exists()
-    # the README's eval-only command on the run's own folder: results go to eval_only.jsonl, metrics stay as they were
+    # the eval-only command of docs/running.md on the run's own folder: results go to eval_only.jsonl, metrics stay as they were
     metrics_before = (run_dir / "metrics.jsonl").read_text()
     proc, _ = run_grpo(["--model", str(run_dir / "final"), "--eval_only", "--eval_size", "16", "--eval_samples", "2",
                         "--max_new_tokens", "48", "--max_prompt_length", "64"], tmp_path)
@@ -141,6 +142,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     """A NaN injected into the advantages of step 3: exit with one line naming the step, before the optimizer step;
     the step-2 checkpoint is intact and no final/ is written."""
@@ -163,6 +165,7 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert not (run_dir / "final").exists() and [r["step"] for r in rows] == [1, 2]
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(tmp_path):
     _, rows = run_grpo(["--total_steps", "2", "--save_every", "2", "--eval_every", "0", *SMALL], tmp_path)
     assert len(rows) == 2
@@ -181,6 +184,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     assert step == 4
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path):
     """Two gloo processes: groups stay whole on each rank, normalizers and eval counts are global. accelerate's
     --multi_gpu launcher (torchrun) is what starts several CPU processes; `accelerate launch --cpu` starts one."""
@@ -194,6 +198,7 @@ def test_two_processes(tmp_path):
     assert rows[1]["eval/problems"] == 16  # both ranks' halves of the eval set were counted
 
 
+@pytest.mark.slow
 def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
     """A MATH-shaped file whose golds are LaTeX (\\frac{104}{2} for 07+45=): the toy model's <answer>052</answer> is
     only right through math-verify, so the warm reward workers do the scoring inside the loop."""
@@ -214,6 +219,7 @@ def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
     assert "time/score" in rows[0] and "time/score_hidden" in rows[0]
 
 
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """The README's main job, `python grpo.py`: the mean reward of the last 5 steps beats the first 5 by >= 0.2."""
     _, rows = run_grpo(["--eval_every", "0"], tmp_path, timeout=900)
@@ -222,13 +228,40 @@ def test_default_run_learns(tmp_path):
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, (rewards[:5], rewards[-5:])
 
 
-def test_a_crash_while_checkpointing_loses_nothing(tmp_path):
-    """save_checkpoint writes checkpoint.tmp (step.json last), then renames checkpoint -> .old, .tmp -> checkpoint."""
-    (tmp_path / "checkpoint.tmp").mkdir()  # crash while writing: the half-written folder has no step.json
-    assert find_checkpoint(str(tmp_path)) is None
-    (tmp_path / "checkpoint.old").mkdir()  # crash between the two renames: the previous checkpoint is still whole
-    (tmp_path / "checkpoint.old" / "step.json").write_text('{"step": 4}')
-    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint.old")
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "step.json").write_text('{"step": 6}')
-    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")
+def test_a_crash_while_checkpointing_loses_nothing(tmp_path, monkeypatch):
+    """save_checkpoint writes checkpoint.tmp (step.json last), then renames checkpoint -> .old and .tmp -> checkpoint.
+    A crash inside a save, or between the two renames, leaves the previous checkpoint whole: resuming restores its
+    step and weights, and the next save completes."""
+    from tests.test_engine import setup
+    from utils import runs
+
+    _, accelerator, tokenizer, model = setup()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+    run_dir = str(tmp_path)
+    runs.save_checkpoint(accelerator, model, tokenizer, run_dir, step=2)
+
+    def crash_inside_the_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    def crash_at_the_swap(src, dst, replace=os.replace):
+        if dst == os.path.join(run_dir, "checkpoint"):  # after checkpoint -> checkpoint.old
+            raise OSError("killed")
+        replace(src, dst)
+
+    for target, name, crash, left in ((runs, "save_model", crash_inside_the_save, "checkpoint"),
+                                      (runs.os, "replace", crash_at_the_swap, "checkpoint.old")):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # training went on after the checkpoint
+        with monkeypatch.context() as patch:
+            patch.setattr(target, name, crash)
+            with pytest.raises(OSError):
+                runs.save_checkpoint(accelerator, model, tokenizer, run_dir, step=4)
+        assert find_checkpoint(run_dir) == os.path.join(run_dir, left)
+        assert runs.load_checkpoint(accelerator, find_checkpoint(run_dir)) == 3  # step 2's: step 3 runs next
+        for key, p in model.named_parameters():
+            assert torch.equal(p, saved[key]), (name, key)
+    runs.save_checkpoint(accelerator, model, tokenizer, run_dir, step=6)  # after a crash at the swap, a save completes
+    assert find_checkpoint(run_dir) == os.path.join(run_dir, "checkpoint")
+    assert sorted(os.listdir(run_dir)) == ["checkpoint"]

@@ -62,7 +62,7 @@ def test_on_policy_identity_and_gradient_by_hand():
     assert grad.abs().sum() > 0  # "loss 0" is not "no gradient"
 
 
-@pytest.mark.parametrize("ratio, adv, eps_high, loss_value, grad_flows", [  # PPO's clip (arXiv 1707.06347 eq. 7) and its gradient
+@pytest.mark.parametrize("ratio, adv, eps_high, loss_value, grad_flows", [  # PPO's clip, arXiv 1707.06347 eq. 7
     (1.25, 1.0, 0.2, -1.2, False),   # A > 0 above 1 + eps: clipped, no gradient
     (1.25, 1.0, 0.28, -1.25, True),  # DAPO's clip-higher lets it through
     (1.3, 1.0, 0.28, -1.28, False),

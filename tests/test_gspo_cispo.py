@@ -1,6 +1,6 @@
-"""gspo.py and cispo.py: each loss and its gradient against the paper's formula written as loops here, the reference
-numbers computed by hand from GSPO's objective (arXiv 2507.18071) and CISPO's (arXiv 2506.13585 §3.1), the on-policy identity, the off-policy cases that tell each apart from GRPO,
-and a short end-to-end run of each script."""
+"""gspo.py (arXiv 2507.18071) and cispo.py (arXiv 2506.13585 §3.1): each loss and its gradient against the paper's
+formula written as loops here, reference numbers computed by hand, the on-policy identity, the off-policy cases that
+tell each apart from GRPO, and a short end-to-end run of each script."""
 
 import dataclasses
 import math
@@ -135,6 +135,7 @@ def test_help_documents_every_argument(module):
         assert "--" + field.name.replace("_", "-") in out or "--" + field.name in out, field.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, key", [("gspo.py", "policy/seq_clip_frac"), ("cispo.py", "policy/ppo_clip_frac")])
 def test_script_runs_end_to_end_off_policy(tmp_path, script, key):
     """Four mini-batches per rollout (the default): the first is on-policy (ratio exactly 1), the later ones are not."""

@@ -150,6 +150,7 @@ def test_help_documents_every_argument():
         assert "--" + field.name.replace("_", "-") in out or "--" + field.name in out, field.name
 
 
+@pytest.mark.slow
 def test_one_process_and_exact_resume(tmp_path):
     """Resume restores the policy, the critic, both optimizers, beta and the RNG: a run stopped after step 2 and
     resumed logs the same steps 3 and 4 as a straight run (adaptive KL on, so beta changes every step)."""
@@ -168,6 +169,7 @@ def test_one_process_and_exact_resume(tmp_path):
         assert [r[key] for r in rows[2:]] == pytest.approx([r[key] for r in straight[2:]], rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path):
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",

@@ -1,6 +1,6 @@
 """The reading-list switches of grpo.py (and of the scripts sharing its blocks): GDPO's decoupled reward normalization
-(arXiv 2601.05242, hand values) and training on high-entropy tokens only (arXiv 2506.01939), whose threshold is the whole
-mini-batch's, whatever the micro-batch size."""
+(arXiv 2601.05242, against hand values) and training on high-entropy tokens only (arXiv 2506.01939), whose threshold
+is the whole mini-batch's, whatever the micro-batch size."""
 
 import copy
 
@@ -118,6 +118,7 @@ def test_the_kl_term_keeps_every_token():
     assert grad[0, 0].item() == pytest.approx(kl_grad[0, 0].item() - 1 / 2)  # -A / num_tokens from the surrogate
 
 
+@pytest.mark.slow
 def test_both_switches_end_to_end(tmp_path):
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--reward_norm", "normalize_then_sum",
                         "--top_entropy_frac", "0.2", *SMALL], tmp_path)

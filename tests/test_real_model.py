@@ -37,6 +37,7 @@ def run(args, out_dir, cache, **kwargs):
         del os.environ["TINYRL_CACHE"]
 
 
+@pytest.mark.slow
 def test_the_gguf_file_becomes_a_plain_model_folder(cache):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

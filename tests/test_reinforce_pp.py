@@ -77,6 +77,7 @@ def test_on_policy_gradient_and_tokens_of_one_sequence_differ():
     assert grad[0, 0] == 0 and grad[0, 1] != 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--baseline", "--beta", "1e-3"]])
 def test_script_runs_end_to_end(tmp_path, flags):
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--num_minibatches", "2", *SMALL, *flags],

