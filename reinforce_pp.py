@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from utils.checks import check_lengths, resolve_args
+from utils.hf_engine import Sample, hf_generate
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, entropy_threshold, kl_k1, kl_k2, make_batch, masked_whiten,
-                      micro_batches, sample_tokens, slice_batch, token_rewards)
+                      micro_batches, slice_batch, token_rewards)
 from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
                         resume_checkpoint, save_checkpoint, save_model, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
@@ -282,11 +283,11 @@ def batched_logprobs(model, batch, temperature, micro_batch_size, num_minibatche
     return (logp, entropy) if with_entropy else logp
 
 
-# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate ---------------------------------------------
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
 
 
 def create_engine(args, accelerator):
-    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for HF generate."""
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for the HF decode loop."""
     vllm_installed = importlib.util.find_spec("vllm") is not None
     if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
         return {"llm": None}
@@ -317,60 +318,12 @@ def push_weights(engine, model, accelerator):
     engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
 
 
-@torch.no_grad()
-def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
-    """Decode with the policy's forward pass and KV cache: each prompt prefilled once for its n completions, finished
-    rows dropped from the batch, so a step costs the completions still running (2.1x faster than transformers'
-    generate() on the toy). Under FSDP every rank runs every forward pass: a finished rank keeps a dummy row."""
-    from transformers import DynamicCache
-
-    unwrapped, device, total = accelerator.unwrap_model(model), accelerator.device, len(prompts) * n
-    inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(device)
-    prompt_width, stop_ids = inputs["input_ids"].shape[1], torch.tensor(tokenizer.stop_ids, device=device)
-    positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    attention_mask = torch.cat([inputs["attention_mask"], positions.new_ones(len(prompts), max_new_tokens)], dim=1)
-    synced = accelerator.distributed_type == "FSDP"  # a str enum
-    tokens = torch.full((total + 1, max_new_tokens), tokenizer.pad_token_id, device=device)  # row `total`: dummy's
-    logprobs = torch.zeros(total + 1, max_new_tokens, device=device)
-    rows = torch.arange(total, device=device)  # the output row of each batch row
-    cache, input_ids = DynamicCache(config=unwrapped.config), inputs["input_ids"]
-    with torch.inference_mode(not synced):  # cheaper than no_grad; FSDP2 must not gather weights as inference tensors
-        for t in range(max_new_tokens):
-            logits = unwrapped(input_ids=input_ids, attention_mask=attention_mask[:, :prompt_width + t],
-                               position_ids=positions, past_key_values=cache, use_cache=True,
-                               logits_to_keep=1).logits[:, -1]
-            if t == 0 and n > 1:  # each prompt was prefilled once: its cache and logits serve its n completions
-                cache.batch_repeat_interleave(n)
-                logits, attention_mask, positions = (x.repeat_interleave(n, dim=0) for x in (logits, attention_mask,
-                                                                                              positions))
-            token, token_logp = sample_tokens(logits, temperature, top_p) if temperature > 0 else (
-                logits.argmax(-1), torch.zeros(len(logits), device=device))
-            tokens[rows, t], logprobs[rows, t] = token, token_logp
-            running = ~torch.isin(token, stop_ids) & (rows < total)
-            num_running = int(running.sum())  # the host sync of the step
-            go_on = num_running > 0
-            if synced:  # every rank steps until all ranks are done
-                go_on = accelerator.reduce(torch.tensor(float(go_on), device=device), reduction="max").item() > 0
-            if not go_on:
-                break
-            if num_running < len(rows):  # drop finished rows from the batch and the cache
-                keep = running.nonzero().squeeze(1) if num_running else rows.new_zeros(1)
-                cache.batch_select_indices(keep)
-                rows = rows[keep] if num_running else rows.new_full((1,), total)
-                token, attention_mask, positions = token[keep], attention_mask[keep], positions[keep]
-            input_ids, positions = token[:, None], positions[:, -1:] + 1
-    stops = torch.isin(tokens[:total], stop_ids)  # a completion ends at its first stop token, or is truncated
-    lengths = torch.where(stops.any(-1), stops.int().argmax(-1) + 1, max_new_tokens)
-    return [(ids[:length], lps[:length] if temperature > 0 else None, ids[length - 1] not in tokenizer.stop_ids)
-            for ids, lps, length in zip(tokens[:total].tolist(), logprobs[:total].tolist(), lengths.tolist())]
-
-
 def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
-    """Sample n completions per prompt (token-id lists) -> n*len(prompts) (ids, sampling logprobs, truncated).
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
     policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
-    llm = engine["llm"]
+    llm, sync_time = engine["llm"], 0.0
     if llm is None:
-        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator)
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator), sync_time
     from vllm import SamplingParams
 
     if engine["asleep"]:
@@ -378,7 +331,7 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
     if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
         start = time.time()
         push_weights(engine, model, accelerator)
-        engine["weights_version"], engine["sync_time"] = policy_version, time.time() - start
+        engine["weights_version"], sync_time = policy_version, time.time() - start
     if engine["asleep"]:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
         llm.wake_up(tags=["kv_cache"])
@@ -389,8 +342,8 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
         llm.sleep(level=engine["sleep_level"])
         if engine["sleep_level"] == 2:
             engine["weights_version"] = None
-    return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0 else
-             None, o.finish_reason == "length") for out in outputs for o in out.outputs]
+    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
+                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
 
 
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
@@ -406,9 +359,9 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
     for start in range(0, len(prompts), 64):
         chunk, chunk_rows = prompts[start:start + 64], mine[start:start + 64]
         for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
-            out = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
-                           args.max_new_tokens, accelerator, policy_version)
-            texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
+            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+                              args.max_new_tokens, accelerator, policy_version)
+            texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
             acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
             totals[column] += sum(acc) / n
             if column == 0:
@@ -569,11 +522,11 @@ def main(args):
         rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
         times["rollout"] = time.time()
-        samples = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p, args.max_new_tokens,
-                           accelerator, policy_version=step - 1)
+        samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
+                                      args.max_new_tokens, accelerator, policy_version=step - 1)
         # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
         times["train"] = time.time()
-        texts = tokenizer.batch_decode([ids for ids, _, _ in samples], skip_special_tokens=True)
+        texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         golds = [r["answer"] for r in rows for _ in range(G)]
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
@@ -614,10 +567,10 @@ def main(args):
         }, means={
             **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
             "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
-            "charts/truncated_frac": np.mean([t for *_, t in samples]),
+            "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
             "charts/no_answer_frac": counts["no_answer"] / len(samples),
             "rollout/tokens_per_s": mask.sum() / (times["train"] - times["rollout"]),
-            "time/rollout": times["train"] - times["rollout"], "time/weight_sync": engine.pop("sync_time", 0.0),
+            "time/rollout": times["train"] - times["rollout"], "time/weight_sync": sync_time,
             "time/score": scoring.waited, "time/score_hidden": scoring.hidden,
             "time/train": now - times["train"] - scoring.waited,
             "time/step": now - times["step"],

@@ -97,8 +97,8 @@ def run_engine(engine_name, opts, model_dir):
         prompts = torch.randint(3, SHAPES[opts.shape]["vocab_size"], (opts.prompts, opts.prompt_len),
                                 generator=generator).tolist()
         times = {"start": time.time()}
-        samples = grpo.generate(engine, model, tokenizer, prompts, opts.generations, 1.0, 1.0, opts.new_tokens,
-                                accelerator, policy_version=step - 1)
+        samples, sync_time = grpo.generate(engine, model, tokenizer, prompts, opts.generations, 1.0, 1.0,
+                                           opts.new_tokens, accelerator, policy_version=step - 1)
         times["rollout"] = time.time()
         batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples, tokenizer.pad_token_id,
                            accelerator.device)
@@ -114,7 +114,7 @@ def run_engine(engine_name, opts, model_dir):
         gap = (batch["engine_logp"] - old_logp).abs() * mask
         tokens = int(mask.sum().item())
         steps.append({"step": step, "rollout_s": times["rollout"] - times["start"],
-                      "weight_sync_s": engine.pop("sync_time", 0.0),
+                      "weight_sync_s": sync_time,
                       "reference_s": times["reference"] - times["rollout"], "train_s": times["train"] - times["reference"],
                       "step_s": times["train"] - times["start"], "tokens": tokens,
                       "tokens_per_s": tokens / (times["rollout"] - times["start"]),

@@ -1,4 +1,4 @@
-"""The HF engine's decode loop (grpo.hf_generate) against transformers' generate() on the same model and prompts.
+"""The HF engine's decode loop (utils.hf_engine.hf_generate) against transformers' generate() on the same model and prompts.
 
     python benchmarks/hf_decode.py                       # embedded model: 32 prompts x 8 samples, 48 new tokens
     python benchmarks/hf_decode.py --repeats 9 --prompts 16
@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+from utils.hf_engine import hf_generate  # noqa: E402
 from utils.checks import resolve_args  # noqa: E402
 
 
@@ -50,10 +51,10 @@ def main():
                        for row in out.tolist()))
 
     def decode_loop():
-        return sum(len(ids) for ids, _, _ in grpo.hf_generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0,
+        return sum(len(ids) for ids, _, _ in hf_generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0,
                                                               opts.new_tokens, accelerator))
 
-    sides = {"transformers generate()": transformers_generate, "grpo.hf_generate": decode_loop}
+    sides = {"transformers generate()": transformers_generate, "hf_generate": decode_loop}
     times, tokens = {name: [] for name in sides}, {name: [] for name in sides}
     for repeat in range(opts.repeats + 1):
         for name, fn in sides.items():

@@ -52,12 +52,12 @@ def main():
                                  add_special_tokens=False)["input_ids"] for r in rows]
             cells, lengths = [], []
             for n, temperature in ((1, 0.0), (opts.samples, 1.0)):
-                out = grpo.generate(engine, model, tokenizer, prompts, n, temperature, 1.0, args.max_new_tokens,
-                                    accelerator, 0)
-                texts = tokenizer.batch_decode([ids for ids, _, _ in out], skip_special_tokens=True)
+                out, _ = grpo.generate(engine, model, tokenizer, prompts, n, temperature, 1.0, args.max_new_tokens,
+                                       accelerator, 0)
+                texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
                 acc, fmt, _ = scorer.result(scorer.submit(texts, [r for r in rows for _ in range(n)]))
                 cells += [f"{sum(acc) / len(acc):.3f}", f"{sum(fmt) / len(fmt):.3f}"]
-                lengths += [len(ids) for ids, _, _ in out]
+                lengths += [len(sample.token_ids) for sample in out]
                 print(placement, temperature, repr(texts[0][-150:]), flush=True)
             lines.append(f"| {placement} | " + " | ".join(cells) + f" | {sum(lengths) / len(lengths):.1f} |")
     lines.append(f"\n1-minute load average at the end: {os.getloadavg()[0]:.2f}; {opts.threads} torch threads.")

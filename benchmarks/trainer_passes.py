@@ -27,6 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
+from utils.hf_engine import hf_generate  # noqa: E402
 from utils.checks import resolve_args  # noqa: E402
 from utils.rl import make_batch  # noqa: E402
 from utils.tasks import toy_problems  # noqa: E402
@@ -82,8 +83,8 @@ def main():
     rows = toy_problems("train")[:args.prompts_per_step]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     torch.manual_seed(0)
-    samples = grpo.hf_generate(model, tokenizer, prompts, args.num_generations, args.temperature, args.top_p,
-                               args.max_new_tokens, accelerator)
+    samples = hf_generate(model, tokenizer, prompts, args.num_generations, args.temperature, args.top_p,
+                          args.max_new_tokens, accelerator)
     batch = make_batch([p for p in prompts for _ in range(args.num_generations)], samples, tokenizer.pad_token_id,
                        accelerator.device)
     batch["advantages"] = torch.randn(len(samples))

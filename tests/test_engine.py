@@ -11,6 +11,7 @@ from accelerate import Accelerator
 
 import grpo
 from tests.helpers import resolved
+from utils.hf_engine import Sample, hf_generate, sample_tokens
 
 PROMPTS = ["12+34=", "07+45=", "99+99=", "5+5="]  # the last one is shorter: left padding is exercised
 
@@ -28,8 +29,8 @@ def setup(model_dir=None, **overrides):
 def rollout(model, tokenizer, accelerator, temperature, n=4, max_new_tokens=48):
     torch.manual_seed(0)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    samples = grpo.generate({"llm": None}, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens,
-                            accelerator, policy_version=1)
+    samples, _ = grpo.generate({"llm": None}, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens,
+                               accelerator, policy_version=1)
     batch = grpo.make_batch([p for p in prompts for _ in range(n)], samples, tokenizer.pad_token_id, "cpu")
     return samples, batch, grpo.batched_logprobs(model, batch, temperature, micro_batch_size=5)
 
@@ -61,7 +62,7 @@ def test_left_padding_does_not_change_logprobs():
     samples, batch, trainer = rollout(model, tokenizer, accelerator, 1.0)
     prompt = tokenizer(PROMPTS[-1])["input_ids"]  # the short, left-padded prompt
     ids, _, _ = samples[-1]
-    alone = grpo.make_batch([prompt], [(ids, None, False)], tokenizer.pad_token_id, "cpu")
+    alone = grpo.make_batch([prompt], [Sample(ids, None, False)], tokenizer.pad_token_id, "cpu")
     single = grpo.batched_logprobs(model, alone, 1.0, micro_batch_size=1)
     assert torch.allclose(single[0, :len(ids)], trainer[-1, :len(ids)], atol=1e-5)
 
@@ -76,7 +77,6 @@ def test_stop_tokens_and_truncation():
     assert batch["completion_mask"].sum(-1).tolist() == [5.0] * 16
 
 
-@pytest.mark.slow
 def test_fsdp_ranks_keep_stepping_until_every_rank_is_done():
     """Under FSDP every rank must run every forward pass: a rank whose rows are all finished keeps decoding a dummy
     row while another rank is still busy, and its own completions are the same as when it stops."""
@@ -90,13 +90,13 @@ def test_fsdp_ranks_keep_stepping_until_every_rank_is_done():
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_call.append(
         len(kwargs["input_ids"])), with_kwargs=True)
     torch.manual_seed(0)
-    alone = grpo.hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, accelerator)
+    alone = hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, accelerator)
     calls_alone, rows_alone, rows_per_call[:] = len(rows_per_call), list(rows_per_call), []
     other_rank_busy = types.SimpleNamespace(distributed_type=DistributedType.FSDP, device=accelerator.device,
                                             unwrap_model=accelerator.unwrap_model,
                                             reduce=lambda t, reduction: torch.ones_like(t))
     torch.manual_seed(0)
-    synced = grpo.hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, other_rank_busy)
+    synced = hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, other_rank_busy)
     hook.remove()
     assert synced == alone
     assert rows_alone[0] == len(PROMPTS) and rows_alone[1] <= 2 * len(PROMPTS)  # prefilled once per prompt
@@ -188,3 +188,28 @@ def test_a_non_finite_loss_stops_before_the_optimizer_step():
         grpo.update_policy(args, policy, optimizer, batch, accelerator)
     for p0, p1 in zip(model.parameters(), policy.parameters()):
         assert torch.equal(p0, p1)  # the NaN never reached the weights
+
+
+def test_sample_tokens_draws_from_the_tempered_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200_000, 1)
+    torch.manual_seed(0)
+    token, logp = sample_tokens(logits, 1.0, 1.0)
+    frequencies = torch.bincount(token, minlength=4) / len(token)
+    assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=4e-3)
+    assert torch.allclose(logp, logits.gather(-1, token[:, None]).squeeze(-1), atol=1e-6)
+    token, logp = sample_tokens(logits, 2.0, 1.0)  # T = 2: p ** 0.5, renormalized
+    tempered = torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt()
+    assert torch.allclose(torch.bincount(token, minlength=4) / len(token), tempered / tempered.sum(), atol=4e-3)
+    token, logp = sample_tokens(logits, 1.0, 0.7)  # nucleus {0, 1}: 0.5 / 0.8 and 0.3 / 0.8
+    assert torch.allclose(torch.bincount(token, minlength=4) / len(token), torch.tensor([0.625, 0.375, 0, 0]),
+                          atol=4e-3)
+    assert torch.allclose(logp, torch.log(torch.tensor([0.625, 0.375]))[token], atol=1e-5)
+
+
+@pytest.mark.parametrize("uniform, expected", [(0.0, 1), (1.0, 2)])
+def test_sample_tokens_never_draws_a_zero_probability_token(monkeypatch, uniform, expected):
+    """The uniform's ends, 0 and (by rounding) the total mass, still land on tokens of positive probability."""
+    logits = torch.tensor([[-float("inf"), 0.0, 0.0, -float("inf")]])
+    monkeypatch.setattr(torch, "rand_like", lambda x: torch.full_like(x, uniform))
+    token, logp = sample_tokens(logits, 1.0, 1.0)
+    assert token.tolist() == [expected] and torch.isfinite(logp).all()

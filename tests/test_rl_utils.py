@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from utils.rl import (aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted,
-                      masked_whiten, micro_batches, sample_tokens)
+                      masked_whiten, micro_batches)
 
 T = torch.tensor
 
@@ -160,28 +160,3 @@ def test_micro_batches_group_similar_lengths_and_cut_the_padding():
         assert torch.equal(mc["advantages"], batch["advantages"][chunk])  # per-sequence tensors are not cut
         assert mc["completion_mask"].sum() == mask[chunk].sum()  # no loss token is cut
     assert [c.tolist() for c, _ in micro_batches(batch, torch.tensor([7, 2]), 3)] == [[7, 2]]
-
-
-def test_sample_tokens_draws_from_the_tempered_nucleus():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200_000, 1)
-    torch.manual_seed(0)
-    token, logp = sample_tokens(logits, 1.0, 1.0)
-    frequencies = torch.bincount(token, minlength=4) / len(token)
-    assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=4e-3)
-    assert torch.allclose(logp, logits.gather(-1, token[:, None]).squeeze(-1), atol=1e-6)
-    token, logp = sample_tokens(logits, 2.0, 1.0)  # T = 2: p ** 0.5, renormalized
-    tempered = torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt()
-    assert torch.allclose(torch.bincount(token, minlength=4) / len(token), tempered / tempered.sum(), atol=4e-3)
-    token, logp = sample_tokens(logits, 1.0, 0.7)  # nucleus {0, 1}: 0.5 / 0.8 and 0.3 / 0.8
-    assert torch.allclose(torch.bincount(token, minlength=4) / len(token), torch.tensor([0.625, 0.375, 0, 0]),
-                          atol=4e-3)
-    assert torch.allclose(logp, torch.log(torch.tensor([0.625, 0.375]))[token], atol=1e-5)
-
-
-@pytest.mark.parametrize("uniform, expected", [(0.0, 1), (1.0, 2)])
-def test_sample_tokens_never_draws_a_zero_probability_token(monkeypatch, uniform, expected):
-    """The uniform's ends, 0 and (by rounding) the total mass, still land on tokens of positive probability."""
-    logits = torch.tensor([[-float("inf"), 0.0, 0.0, -float("inf")]])
-    monkeypatch.setattr(torch, "rand_like", lambda x: torch.full_like(x, uniform))
-    token, logp = sample_tokens(logits, 1.0, 1.0)
-    assert token.tolist() == [expected] and torch.isfinite(logp).all()

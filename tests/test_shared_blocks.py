@@ -1,20 +1,30 @@
 """The algorithm scripts are copies of grpo.py (cleanrl style): every block under a `# ---- Name ----` header that does
 not depend on the algorithm must be the same text in every script, so a fix to a shared block is made in all of them
-or in none. The blocks allowed to differ are listed here, with the scripts where they may."""
+or in none; so must every Args field outside the algorithm's own group (its default and its doc). What may differ is
+listed here, with the scripts where it may. The scripts are the repository root's .py files with block headers."""
 
 import glob
 import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
 HEADER = re.compile(r"^# ---- (.+?) -+$", re.MULTILINE)
+SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")) if HEADER.search(open(p).read()))
+ARGS_GROUP = re.compile(r"^    # (.+)$", re.MULTILINE)  # `    # rollout`: a group of Args fields
+ARGS_FIELD = re.compile(r"^    (\w+): .*\n(?:    \"\"\"(?:[^\"]|\"(?!\"\"))*\"\"\"\n)?", re.MULTILINE)  # a field and its doc
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
     "Policy update": ("ppo.py",),  # the critic's value-loss step beside the policy's, on the same mini-batches
     "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
                       "ppo.py"),  # the critic: its values, per-token rewards, GAE
+}
+ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
+    "exp_name": "*",         # e.g. `# GRPO`, always may): the script's name
+    "num_generations": ("ppo.py",),  # no groups: one completion per prompt
+    "prompts_per_step": ("ppo.py",),  # so more distinct prompts per step
+    "num_epochs": ("ppo.py",),  # each paper's off-policy regime: mu = num_epochs * num_minibatches
+    "num_minibatches": "*",
 }
 
 
@@ -23,6 +33,14 @@ def blocks(text):
     headers = list(HEADER.finditer(text))
     return {m.group(1): text[m.end():headers[k + 1].start() if k + 1 < len(headers) else len(text)]
             for k, m in enumerate(headers)}
+
+
+def args_fields(text):
+    """{group: {field: its line and doc}} of a script's Args, grouped under their `    # group` comments."""
+    body = text[text.index("class Args"):text.index("\n\n\n", text.index("class Args"))]
+    groups = list(ARGS_GROUP.finditer(body))
+    return {m.group(1): {field.group(1): field.group(0) for field in ARGS_FIELD.finditer(
+        body, m.end(), groups[k + 1].start() if k + 1 < len(groups) else len(body))} for k, m in enumerate(groups)}
 
 
 def differences(texts, allowed):
@@ -45,7 +63,7 @@ def differences(texts, allowed):
 def test_the_scripts_have_the_template_blocks():
     assert "grpo.py" in SCRIPTS
     names = list(blocks(open(os.path.join(ROOT, "grpo.py")).read()))
-    assert {"Algorithm", "Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate", "Policy update",
+    assert {"Algorithm", "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop", "Policy update",
             "Training loop"} <= set(names), names
 
 
@@ -58,10 +76,24 @@ def test_shared_blocks_are_identical_in_every_script():
                                 f"algorithm-specific in tests/test_shared_blocks.py)" for name, odd in found)
 
 
+def test_shared_args_fields_are_identical_in_every_script():
+    """Outside the algorithm's own group (`# GRPO`, `# DAPO`, ...: one script's), a field's default and doc are the
+    same everywhere: the same flag means the same thing in every script."""
+    fields = {script: {f"{group}: {name}": text for group, by_field in args_fields(open(os.path.join(ROOT, script))
+                                                                                     .read()).items()
+                       for name, text in by_field.items()} for script in SCRIPTS}
+    assert len(fields["grpo.py"]) >= 40 and "rollout: temperature" in fields["grpo.py"]
+    assert '"""sampling temperature' in fields["grpo.py"]["rollout: temperature"]  # the doc is part of the field
+    allowed = {key: scripts for script in SCRIPTS for key in fields[script]
+               for name, scripts in ALGORITHM_SPECIFIC_ARGS.items() if key.endswith(f": {name}")}
+    found = differences(fields, allowed)
+    assert not found, "; ".join(f"Args field '{key}' differs in {', '.join(odd)}" for key, odd in found)
+
+
 def test_a_one_line_change_is_caught():
     text = open(os.path.join(ROOT, "grpo.py")).read()
     changed = text.replace("def push_weights(", "def push_weights(  ", 1)
     texts = {"grpo.py": blocks(text), "copy_a.py": blocks(text), "copy_b.py": blocks(changed)}
-    engine = "Rollout engine: vLLM (colocated, sleep mode on GPU) or HF generate"
+    engine = "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop"
     assert differences(texts, ALGORITHM_SPECIFIC) == [(engine, ["copy_b.py"])]
     assert differences(texts, {**ALGORITHM_SPECIFIC, engine: ("copy_b.py",)}) == []

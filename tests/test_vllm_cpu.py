@@ -34,7 +34,7 @@ engine = grpo.create_engine(args, accelerator)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 
 def gap(policy_version):
-    samples = grpo.generate(engine, model, tokenizer, prompts, 4, 1.0, 1.0, 48, accelerator, policy_version)
+    samples, _ = grpo.generate(engine, model, tokenizer, prompts, 4, 1.0, 1.0, 48, accelerator, policy_version)
     batch = grpo.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
     trainer = grpo.batched_logprobs(model, batch, 1.0, 8)
     mask = batch["completion_mask"].bool()

@@ -176,9 +176,10 @@ def aggregate_loss(per_token, mask, mode, num_seqs, num_tokens, max_len=None):
 
 
 def make_batch(prompts, samples, pad_id, device):
-    """Pad [prompt | completion] rows: prompts left-padded to one width, completions right-padded to another."""
+    """Pad [prompt | completion] rows (prompt token ids, utils.hf_engine.Sample): prompts left-padded to one width,
+    completions right-padded to another."""
     prompt_width = max(len(p) for p in prompts)
-    completion_width = max(len(ids) for ids, _, _ in samples)
+    completion_width = max(len(sample.token_ids) for sample in samples)
     rows, attn, cmask, engine_logp = [], [], [], []
     for prompt, (ids, logprobs, _) in zip(prompts, samples):
         left, right = prompt_width - len(prompt), completion_width - len(ids)
@@ -209,20 +210,3 @@ def micro_batches(batch, rows, micro_batch_size):
         cut = {"input_ids": batch["prompt_width"] + width, "attention_mask": batch["prompt_width"] + width}
         yield chunk, {k: v[:, :cut.get(k, width)] if torch.is_tensor(v) and v.dim() == 2 else v
                       for k, v in slice_batch(batch, chunk).items()}
-
-
-def sample_tokens(logits, temperature, top_p):
-    """One token per row from softmax(logits / T) restricted to the top-p nucleus, and its log-prob under that
-    distribution (what vLLM's processed_logprobs reports). Inverse-CDF sampling in float64, one uniform per row:
-    torch.multinomial draws one exponential per vocabulary entry (0.10 s of a 1.3 s toy step, cProfile)."""
-    from transformers import TopPLogitsWarper
-
-    scores = logits.float() / temperature if temperature != 1.0 else logits.float()  # x / 1.0 is x: skip it
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)  # tokens outside the nucleus get -inf
-    logp = torch.log_softmax(scores, dim=-1)
-    cdf = logp.exp().cumsum(-1, dtype=torch.float64)  # float64 sums: tail tokens of a 150k vocabulary keep their mass
-    total = cdf[:, -1:]
-    u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
-    token = torch.searchsorted(cdf, u, right=True).squeeze(-1)  # first index whose cdf exceeds u: probability > 0
-    return token, logp.gather(-1, token[:, None]).squeeze(-1)
