@@ -228,7 +228,7 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     """
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     num_tokens = mask.sum() if num_tokens is None else num_tokens
-    log_ratio = (logp - old_logp).clamp(-20, 20)
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
@@ -549,6 +549,7 @@ def main(args):
         counts = dict.fromkeys(["no_answer", *FAILURES], 0)
         while True:
             rounds += 1
+            # from (seed, step, round) alone: a resumed run draws the prompts an uninterrupted one would
             picks = np.random.default_rng([args.seed, step, rounds]).choice(len(train_rows), args.gen_prompts_per_step,
                                                                              replace=False)
             rows = [train_rows[i] for i in picks[rank * round_local:(rank + 1) * round_local]]

@@ -204,7 +204,7 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     """
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     num_tokens = mask.sum() if num_tokens is None else num_tokens
-    log_ratio = (logp - old_logp).clamp(-20, 20)
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
     seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # log s_i = mean_t log r_it
     log_s = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()  # value log s_i, gradient d log pi_theta(o_it)
     s = torch.exp(log_s.clamp(max=10.0))
@@ -534,6 +534,7 @@ def main(args):
         times = {"step": time.time()}
         # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
         #    policy as it is after step - 1 updates.
+        # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
         rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]

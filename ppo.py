@@ -219,7 +219,7 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     `means` add up to the mini-batch's exactly. Returns (loss, means, maxes).
     """
     num_tokens = mask.sum() if num_tokens is None else num_tokens
-    log_ratio = (logp - old_logp).clamp(-20, 20)
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * advantages, clipped * advantages)
@@ -558,6 +558,7 @@ def main(args):
         times = {"step": time.time()}
         # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
         #    policy as it is after step - 1 updates.
+        # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
         rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]

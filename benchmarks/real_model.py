@@ -3,11 +3,12 @@ reasoning-gym task, with a held-out greedy evaluation of the untrained model bef
 
     python benchmarks/real_model.py                                   # grpo.py, the settings below, 150 steps
     python benchmarks/real_model.py --scripts grpo dapo gspo cispo reinforce_pp ppo --steps 150
+    python benchmarks/real_model.py --scripts gspo dapo --script_flags gspo "--beta 0.04"  # flags for one script
 
 Each run is `python SCRIPT.py` in a subprocess with the flags printed in the results; the base model's evaluation is
 `--eval_only` on the same test rows. Writes benchmarks/results/<name>.md and .png: per script, the held-out greedy
 accuracy and format rate before and at each evaluation, with the wall time (steps plus evaluations) at which it was
-reached, and the curves of reward, accuracy and format over steps and over wall time.
+reached, and the curves of accuracy and format over steps and of held-out accuracy over steps and over wall time.
 """
 
 import argparse
@@ -27,22 +28,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1"
 SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", "--engine", "hf",
             "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--learning_rate", "1e-5",
-            "--beta", "0", "--threads", "2", "--eval_size", "100", "--eval_samples", "1", "--log_completions_every",
+            "--threads", "2", "--eval_size", "100", "--eval_samples", "1", "--log_completions_every",
             "10"]
 
 
 def run(script, exp, flags, out_dir, reuse):
-    """Run a script (or reuse a finished run of the same command, or with --reuse the steps a stopped run logged);
-    returns (metrics rows, wall seconds or None for a stopped run, command)."""
+    """Run a script, or with reuse read a run of the same command: finished, or the steps it logged before it was
+    stopped; returns (metrics rows, wall seconds or None for a stopped run, command)."""
     run_dir = os.path.join(out_dir, f"{exp}__1")
-    done = os.path.join(run_dir, "benchmark.json")
+    done, started = os.path.join(run_dir, "benchmark.json"), os.path.join(out_dir, f"{exp}.started.json")
     cmd = [sys.executable, os.path.join(ROOT, script), "--exp_name", exp, "--output_dir", out_dir, *flags]
-    if reuse and os.path.exists(done) and json.load(open(done))["cmd"][1:] == cmd[1:]:
+    same = lambda path: os.path.exists(path) and json.load(open(path))["cmd"][1:] == cmd[1:]  # noqa: E731
+    if reuse and same(done):
         wall = json.load(open(done))["wall_s"]
-    elif reuse and not os.path.exists(done) and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    elif reuse and same(started) and not os.path.exists(done) and os.path.exists(f"{run_dir}/metrics.jsonl"):
         wall = None  # stopped before its end: its logged steps are reported as such
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
+        with open(started, "w") as f:
+            json.dump({"cmd": cmd}, f)
         start = time.time()
         with open(os.path.join(out_dir, f"{exp}.log"), "w") as log:
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
@@ -54,6 +58,11 @@ def run(script, exp, flags, out_dir, reuse):
     return rows, wall, " ".join(["python", script, *flags])
 
 
+def wall_minutes(rows):
+    """Wall minutes at the end of each logged step: the steps' and the evaluations' times (model loading excluded)."""
+    return np.cumsum([r["time/step"] + r.get("time/eval", 0.0) for r in rows]) / 60
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scripts", nargs="+", default=["grpo"])
@@ -62,14 +71,22 @@ def main():
     parser.add_argument("--name", default="smollm2_chain_sum")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
     parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
+    parser.add_argument("--script_flags", nargs=2, action="append", default=[], metavar=("SCRIPT", "FLAGS"),
+                        help='more flags for one script\'s run, e.g. --script_flags gspo "--beta 0.04"')
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more flags for every run")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
+    script_flags = {script: [] for script in args.scripts}
+    for script, flags in args.script_flags:
+        if script not in script_flags:
+            parser.error(f"--script_flags {script}: not among --scripts {' '.join(args.scripts)}")
+        script_flags[script] += flags.split()
+    shown_flags = "".join(f' --script_flags {script} "{flags}"' for script, flags in args.script_flags)
     out_dir = os.path.join(args.out_dir, args.name)
     os.makedirs(out_dir, exist_ok=True)
     base, base_wall, base_cmd = run("grpo.py", "base", [*SETTINGS, "--eval_only", *extra], out_dir, args.reuse)
     lines = [f"# {args.name}", "", f"Command: `python benchmarks/real_model.py --scripts {' '.join(args.scripts)} "
-             f"--steps {args.steps} --eval_every {args.eval_every} --name {args.name}"
+             f"--steps {args.steps} --eval_every {args.eval_every} --name {args.name}{shown_flags}"
              f"{' -- ' + ' '.join(extra) if extra else ''}`", "",
              f"Untrained model (`{base_cmd}`, {base_wall:.0f} s): held-out greedy accuracy "
              f"{base[-1]['eval/pass@1_greedy']:.3f}, greedy format {base[-1]['eval/format_greedy']:.3f}, sampled "
@@ -78,10 +95,11 @@ def main():
              "train accuracy | train format | completion length |", "|" + "---|" * 9]
     results = {}
     for script in args.scripts:
-        flags = [*SETTINGS, "--total_steps", str(args.steps), "--eval_every", str(args.eval_every), *extra]
+        flags = [*SETTINGS, "--total_steps", str(args.steps), "--eval_every", str(args.eval_every), *extra,
+                 *script_flags[script]]
         rows, wall, cmd = run(f"{script}.py", script, flags, out_dir, args.reuse)
         results[script] = rows
-        elapsed = np.cumsum([r["time/step"] + r.get("time/eval", 0.0) for r in rows]) / 60
+        elapsed = wall_minutes(rows)
         lines.append(f"| {script} | 0 | 0 | {base[-1]['eval/pass@1_greedy']:.3f} | "
                      f"{base[-1]['eval/format_greedy']:.3f} | | | | |")
         for k, r in enumerate(rows):
@@ -101,18 +119,21 @@ def main():
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4))
     for script, rows in results.items():
         steps = [r["step"] for r in rows]
         smooth = lambda key: np.convolve([r[key] for r in rows], np.ones(10) / 10, mode="valid")  # noqa: E731
         for ax, key in zip(axes[:2], ("charts/accuracy", "charts/format")):
             ax.plot(steps[9:], smooth(key), label=script)
-        evals = [(r["step"], r["eval/pass@1_greedy"]) for r in rows if "eval/pass@1_greedy" in r]
-        axes[2].plot([0] + [s for s, _ in evals], [base[-1]["eval/pass@1_greedy"]] + [a for _, a in evals], "o-",
-                     label=script)
+        evals = [k for k, r in enumerate(rows) if "eval/pass@1_greedy" in r]
+        accuracy = [base[-1]["eval/pass@1_greedy"]] + [rows[k]["eval/pass@1_greedy"] for k in evals]
+        axes[2].plot([0] + [rows[k]["step"] for k in evals], accuracy, "o-", label=script)
+        axes[3].plot([0] + [wall_minutes(rows)[k] for k in evals], accuracy, "o-", label=script)
     axes[0].set(xlabel="step", ylabel="train accuracy (10-step mean)", title="SmolLM2-135M-Instruct, rg:chain_sum")
     axes[1].set(xlabel="step", ylabel="train format rate (10-step mean)", title="boxed, readable answers")
     axes[2].set(xlabel="step", ylabel="held-out greedy accuracy", title="held-out greedy pass@1")
+    axes[3].set(xlabel="wall minutes (steps and evaluations)", ylabel="held-out greedy accuracy",
+                title="held-out greedy pass@1 over wall time")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path + ".png", dpi=110)

@@ -1,5 +1,6 @@
-"""Pure tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation,
-the rollout batch's layout.
+"""Tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation, and the
+rollout batch's layout (padding rows, cutting micro-batches). No model and no engine here; only micro_batches and the
+high-entropy threshold read values back to the host.
 """
 
 import torch
@@ -104,8 +105,9 @@ def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_re
     """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
 
     unbiased=True applies Bessel's correction on the token count (verl masked_whiten); False is OpenRLHF's population
-    variance. shift_mean=False only scales (reward whitening in lm-human-preferences). all_reduce (a function summing a
-    tensor over processes) makes the statistics those of every process's tokens: one all-reduce of three float64 sums.
+    variance. shift_mean=False keeps the mean and scales the spread around it, (v - mean) / std + mean, as
+    lm-human-preferences' whiten(shift_mean=False) does to rewards. all_reduce (a function summing a tensor over
+    processes) makes the statistics those of every process's tokens: one all-reduce of three float64 sums.
     A single valid token has variance 0 (no Bessel correction on a count of 1): it whitens to 0, not NaN.
     """
     mask = mask.to(values.dtype)
