@@ -625,7 +625,8 @@ def main(args):
             "dapo/informative_group_frac": num_informative / len(seen),
             "rollout/tokens_per_s": lengths.sum() / (times["train"] - times["step"] - waited),
             "time/rollout": times["train"] - times["step"] - waited, "time/weight_sync": sync_time,
-            "time/score": waited, "time/train": now - times["train"], "time/step": now - times["step"],
+            "time/score": waited, "time/score_hidden": 0.0,  # the filter needs every round's rewards: no overlap
+            "time/train": now - times["train"], "time/step": now - times["step"],
         }, maxes={
             **train_stats["maxes"], "charts/completion_length_max": lengths.max(),
             "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
