@@ -137,10 +137,10 @@ def test_hub_task_offline_fails_fast_with_a_clear_message(tmp_path, offline_env)
 
 @pytest.mark.slow
 def test_toy_model_script_is_deterministic_and_matches_the_shipped_tokenizer(tmp_path):
-    """utils/make_toy_model.py rebuilds the shipped folder (full rebuild: bit-identical on this machine, 20 s)."""
+    """toy_model/make_toy_model.py rebuilds the shipped folder (full rebuild: bit-identical on this machine, 20 s)."""
     from safetensors.torch import load_file
 
-    from utils import make_toy_model
+    from toy_model import make_toy_model
 
     for name in ("a", "b"):
         make_toy_model.main(str(tmp_path / name), steps=10)

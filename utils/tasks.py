@@ -21,7 +21,7 @@ import numpy as np
 
 from utils.rewards import ANSWER_PLACEHOLDER, extract_boxed, gold_parses
 
-TOY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_model")
+TOY_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_model")
 HUB_TASKS = {  # name: (train (path, config, split), test (path, config, split))
     "gsm8k": (("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")),
     "math": (("DigitalLearningGmbH/MATH-lighteval", "default", "train"), ("HuggingFaceH4/MATH-500", None, "test")),

@@ -1,8 +1,8 @@
 """Build the embedded default model (the CartPole of LLM RL): a tiny Qwen2 causal LM and a character tokenizer,
-warm-started with a few seconds of supervised learning on the toy addition task, saved to utils/toy_model/.
+warm-started with a few seconds of supervised learning on the toy addition task, saved to toy_model/ (this folder).
 
 Deterministic: fixed seeds, one CPU thread. Run it again to rebuild the shipped files:
-    python -m utils.make_toy_model          # ~20 s on one CPU core
+    python -m toy_model.make_toy_model      # ~20 s on one CPU core
 The warm-up is deliberately short: the model samples the answer format reliably and gets some sums right, so RL has
 something to improve (python grpo.py raises the reward within minutes; see README.md).
 """
