@@ -32,7 +32,7 @@ from utils.hf_engine import Sample, hf_generate
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advantages, entropy_threshold,
                       group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted, make_batch, micro_batches,
-                      slice_batch)
+                      pass_at_k, slice_batch)
 from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
                         resume_checkpoint, save_checkpoint, save_model, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
@@ -359,12 +359,13 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
-    """pass@1 on this process's share of the test rows: greedy, and the mean over k samples (T=0.6, top-p 0.95); the
-    greedy answers' format rate."""
+    """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
+    top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate."""
     world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
     mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
-    totals = torch.zeros(4, device=accelerator.device)  # greedy correct, sampled correct, problems, greedy format
+    ks = [2 ** i for i in range(1, args.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
+    totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
     for start in range(0, len(prompts), 64):
         chunk, chunk_rows = prompts[start:start + 64], mine[start:start + 64]
         for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
@@ -375,12 +376,14 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
             totals[column] += sum(acc) / n
             if column == 0:
                 totals[3] += sum(formats)
+            for j, k in enumerate(ks if column == 1 else []):  # each problem's n samples are consecutive
+                totals[4 + j] += sum(pass_at_k(n, int(sum(acc[i:i + n])), k) for i in range(0, len(acc), n))
         totals[2] += len(chunk)
     totals = accelerator.reduce(totals, reduction="sum")
     n = totals[2].clamp(min=1)
     return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
-            (totals[1] / n).item(), "eval/format_greedy": (totals[3] / n).item(),
-            "eval/problems": int(totals[2].item())}
+            (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
+            "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
 
 
 # ---- Policy update --------------------------------------------------------------------------------------------------

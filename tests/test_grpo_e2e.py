@@ -119,6 +119,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
             assert np.isfinite(r[key]), key
     assert max(r["policy/ratio_max"] for r in rows) > 1.0  # later mini-batches are off-policy
     assert "eval/pass@1_greedy" in rows[1] and "eval/pass@1_sampled_k2" in rows[2]
+    assert 1 >= rows[2]["eval/pass@2"] >= rows[2]["eval/pass@1_sampled_k2"]  # from the same 2 samples per problem
     run_dir = tmp_path / "grpo__1"
     assert (run_dir / "checkpoint" / "step.json").exists() and (run_dir / "final" / "model.safetensors").exists()
     assert not (run_dir / "checkpoint.tmp").exists()

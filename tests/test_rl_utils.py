@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from utils.rl import (aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted,
-                      masked_whiten, micro_batches)
+                      masked_whiten, micro_batches, pass_at_k)
 
 T = torch.tensor
 
@@ -160,3 +160,11 @@ def test_micro_batches_group_similar_lengths_and_cut_the_padding():
         assert torch.equal(mc["advantages"], batch["advantages"][chunk])  # per-sequence tensors are not cut
         assert mc["completion_mask"].sum() == mask[chunk].sum()  # no loss token is cut
     assert [c.tolist() for c, _ in micro_batches(batch, torch.tensor([7, 2]), 3)] == [[7, 2]]
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 1, 4, 1.0), (4, 0, 4, 0.0), (4, 2, 2, 5 / 6), (8, 3, 4, 13 / 14),
+    (100, 3, 50, 1 - 50 * 49 * 48 / (100 * 99 * 98)),  # C(97, 50) / C(100, 50)
+])
+def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):  # 1 - C(n - c, k) / C(n, k), by hand
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)

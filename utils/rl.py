@@ -1,8 +1,9 @@
-"""Tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation, and the
-rollout batch's layout (padding rows, cutting micro-batches). No model and no engine here; only micro_batches and the
-high-entropy threshold read values back to the host.
+"""Tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation, the
+rollout batch's layout (padding rows, cutting micro-batches), and the pass@k estimator of evaluation. No model and no
+engine here; only micro_batches and the high-entropy threshold read values back to the host.
 """
 
+import numpy as np
 import torch
 
 # --- KL estimators, elementwise in log space: delta = logp - ref_logp, samples drawn from pi_theta --------------------
@@ -212,3 +213,12 @@ def micro_batches(batch, rows, micro_batch_size):
         cut = {"input_ids": batch["prompt_width"] + width, "attention_mask": batch["prompt_width"] + width}
         yield chunk, {k: v[:, :cut.get(k, width)] if torch.is_tensor(v) and v.dim() == 2 else v
                       for k, v in slice_batch(batch, chunk).items()}
+
+
+def pass_at_k(num_samples, num_correct, k):
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al., arXiv 2107.03374, eq. 1):
+    1 - C(n - c, k) / C(n, k), the chance that k of the n samples drawn without replacement include a correct one,
+    computed as a product so no binomial overflows. pass@1 is c / n."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(num_samples - num_correct + 1, num_samples + 1)))
