@@ -33,8 +33,8 @@ import torch
 from utils.checks import check_lengths, resolve_args
 from utils.hf_engine import Sample, hf_generate
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
-from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, entropy_threshold, group_advantages, make_batch, micro_batches,
-                      pass_at_k, slice_batch)
+from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, engine_is_weights, entropy_threshold, group_advantages,
+                      make_batch, micro_batches, pass_at_k, slice_batch)
 from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
                         resume_checkpoint, save_checkpoint, save_model, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
@@ -133,7 +133,10 @@ class Args:
     top_entropy_frac: float = 1.0
     """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
     tis_cap: float = 0.0
-    """if > 0, weight each token by min(pi_old/pi_engine, cap): truncated IS for the engine/trainer mismatch"""
+    """if > 0, weight the policy gradient by pi_old / pi_engine bounded by this cap (--tis_mode): the engine/trainer
+    mismatch"""
+    tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
+    """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
     # evaluation and checkpoints
     eval_every: int = 50
     """evaluate every N steps and at the end (0: never)"""
@@ -449,8 +452,10 @@ def update_policy(args, model, optimizer, batch, accelerator):
                     logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
                                                    args.temperature, with_entropy=True)
                     old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
-                    is_weights = torch.exp(old_logp - mc["engine_logp"]).clamp(max=args.tis_cap) if (
-                        args.tis_cap > 0) else None
+                    is_weights, bounded = None, None
+                    if args.tis_cap > 0:  # the engine/trainer mismatch: pi_old / pi_engine, bounded
+                        is_weights, bounded = engine_is_weights(old_logp, mc["engine_logp"], mc["completion_mask"],
+                                                                args.tis_cap, args.tis_mode)
                     if "pg_mask" in mc:  # compute_loss weighs the policy-gradient term by is_weights, not the KL
                         is_weights = mc["pg_mask"] * (1.0 if is_weights is None else is_weights)
                     loss, token_means, mc_maxes = compute_loss(
@@ -463,6 +468,8 @@ def update_policy(args, model, optimizer, batch, accelerator):
                 mb_loss = mb_loss + loss.detach()
                 token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
                 token_means["losses/entropy"] = entropy[m].sum() / num_tokens
+                if bounded is not None:  # tokens whose mismatch weight was truncated or masked
+                    token_means["policy/tis_bounded_frac"] = bounded.sum() / num_tokens
                 if "pg_mask" in mc:
                     token_means["policy/entropy_kept_frac"] = mc["pg_mask"][m].sum() / num_tokens
                 if epoch == 0 and mb_start == 0:

@@ -72,6 +72,7 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     ({"micro_batch_size": 7}, "must divide into --num_minibatches"),
     ({"beta": 0.1, "kl_estimator": "k1"}, "zero expected gradient"),
     ({"loss_agg": "sum"}, "use one of"),
+    ({"tis_cap": 0.5}, "--tis_cap 0.5: must be > 1"),
 ])
 def test_every_bad_argument_is_caught_before_heavy_work(overrides, message):
     with pytest.raises(ValueError) as error:
@@ -109,13 +110,15 @@ def test_unknown_hub_model_offline_fails_fast(tmp_path):
 def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     """mu = 4 updates per rollout: the first mini-batch is on-policy (ratio exactly 1), later ones are not."""
     proc, rows = run_grpo(["--total_steps", "3", "--num_epochs", "2", "--num_minibatches", "2", "--eval_every", "2",
-                           "--save_every", "2", "--learning_rate", "3e-3", "--tis_cap", "2.0", *SMALL], tmp_path)
+                           "--save_every", "2", "--learning_rate", "3e-3", "--tis_cap", "2.0", "--tis_mode", "seq-mask",
+                           *SMALL], tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["policy/first_minibatch_ratio_dev_max"] == 0.0
         assert r["rollout/logprob_gap_max"] < 1e-4  # HF generate samples from the trainer's own weights
         for key in ("charts/reward", "charts/accuracy", "charts/format", "charts/completion_length", "losses/kl",
-                    "losses/entropy", "policy/clip_frac", "time/rollout", "time/score", "time/train", "time/step"):
+                    "losses/entropy", "policy/clip_frac", "policy/tis_bounded_frac", "time/rollout", "time/score",
+                    "time/train", "time/step"):
             assert np.isfinite(r[key]), key
     assert max(r["policy/ratio_max"] for r in rows) > 1.0  # later mini-batches are off-policy
     assert "eval/pass@1_greedy" in rows[1] and "eval/pass@1_sampled_k2" in rows[2]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo import compute_advantages, compute_loss
+from utils.rl import engine_is_weights
 
 
 def reference_grpo_loss(logp, old_logp, ref_logp, adv, mask, eps_low, eps_high, beta):
@@ -136,6 +137,33 @@ def test_truncated_importance_weights_scale_the_policy_term():
     loss, _, _ = compute_loss(logp, old, adv, torch.ones(2, 2), is_weights=weights, loss_agg="token-mean")
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(grad, -(weights * adv[:, None]) / 4)
+
+
+@pytest.mark.parametrize("mode, weights, bounded", [  # ratios 2, 1/4, 1 and 6/5 (then padding); cap 3/2
+    ("token-truncate", [[1.5, 0.25, 1.0], [1.2, 0.0, 0.0]], [[1, 0, 0], [0, 0, 0]]),
+    ("token-mask", [[0.0, 0.0, 1.0], [1.2, 0.0, 0.0]], [[1, 1, 0], [0, 0, 0]]),  # kept in [2/3, 3/2]
+    ("seq-truncate", [[0.5, 0.5, 0.5], [1.2, 0.0, 0.0]], [[0, 0, 0], [0, 0, 0]]),  # rho = 2 * 1/4 * 1 = 1/2
+    ("seq-mask", [[0.0, 0.0, 0.0], [1.2, 0.0, 0.0]], [[1, 1, 1], [0, 0, 0]]),  # 1/2 < 2/3: the sequence is dropped
+])
+def test_engine_mismatch_weights_each_mode_by_hand(mode, weights, bounded):
+    engine = torch.tensor([[0.0, 0.0, 0.0], [0.0, 5.0, -5.0]])  # padding holds anything
+    old = engine + torch.log(torch.tensor([[2.0, 0.25, 1.0], [1.2, 1.0, 1.0]]))
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    got, got_bounded = engine_is_weights(old, engine, mask, 1.5, mode)
+    assert torch.allclose(got * mask, torch.tensor(weights), atol=1e-6)
+    assert got_bounded.tolist() == torch.tensor(bounded).bool().tolist()
+    logp = old.clone().requires_grad_(True)  # on-policy for the trainer: the gradient is the weight times A / N
+    adv = torch.tensor([1.0, -1.0])
+    loss, _, _ = compute_loss(logp, old, adv, mask, is_weights=got, loss_agg="token-mean")
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, -(torch.tensor(weights) * adv[:, None]) / 4, atol=1e-6)  # masked tokens: 0
+
+
+def test_a_long_sequence_ratio_does_not_overflow():
+    old, engine, mask = torch.full((1, 4000), 0.1), torch.zeros(1, 4000), torch.ones(1, 4000)  # rho = e^400
+    for mode in ("seq-truncate", "seq-mask"):
+        weights, bounded = engine_is_weights(old, engine, mask, 2.0, mode)
+        assert torch.isfinite(weights).all() and bounded.all()
 
 
 def test_group_advantages_from_flat_rewards():

@@ -47,6 +47,8 @@ def check_args(args, num_processes=1):
     for name in ("top_p", "eval_top_p"):
         if not 0 < getattr(args, name) <= 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be in (0, 1]")
+    if 0 < args.tis_cap <= 1:
+        raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
     if args.total_steps < 1 and not args.eval_only:
         raise ValueError(f"--total_steps {args.total_steps}: must be >= 1 (use --eval_only to only evaluate)")
     if args.eval_size < 1 and (args.eval_every or args.eval_only):

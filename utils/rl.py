@@ -175,6 +175,33 @@ def aggregate_loss(per_token, mask, mode, num_seqs, num_tokens, max_len=None):
     raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGGREGATIONS}")
 
 
+# --- The engine/trainer mismatch: importance weights pi_old / pi_engine, bounded -------------------------------------
+IS_MODES = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
+
+
+def engine_is_weights(old_logp, engine_logp, mask, cap, mode="token-truncate"):
+    """Weights for tokens sampled by an engine whose probabilities differ from the trainer's (vLLM in bf16, another
+    kernel): r_t = pi_old(o_t) / pi_engine(o_t) per token, rho = prod_t r_t per sequence, bounded by cap C:
+        token-truncate  w_t = min(r_t, C)                          truncated IS (TIS)
+        token-mask      w_t = r_t if 1/C <= r_t <= C, else 0       masked IS per token (IcePop, arXiv 2510.18855)
+        seq-truncate    w_t = min(rho, C)                          sequence-level TIS
+        seq-mask        w_t = rho if 1/C <= rho <= C, else 0       sequence-level masked IS (MIS)
+    Returns (weights (B, T), detached; bounded (B, T): the valid tokens whose weight was truncated or masked). The
+    ratios are taken in log space and bounded at e^+-20 (beyond any useful cap), so a long sequence never overflows.
+    """
+    log_ratio = (old_logp - engine_logp) * mask
+    if mode.startswith("seq"):
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_logp)
+    ratio = torch.exp(log_ratio.clamp(-20, 20)).detach()
+    if mode.endswith("truncate"):
+        bounded = ratio > cap
+        weights = ratio.clamp(max=cap)
+    else:
+        bounded = (ratio > cap) | (ratio < 1 / cap)
+        weights = ratio * ~bounded
+    return weights, bounded & mask.bool()
+
+
 # --- The rollout batch: [left-padded prompt | right-padded completion] rows ---------------------------------------
 
 
