@@ -34,8 +34,8 @@ SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", 
 
 def run(script, exp, flags, out_dir, reuse):
     """Run a script, or with reuse read a run of the same command: finished, or the steps it logged before it was
-    stopped; returns (metrics rows, wall seconds or None for a stopped run, command)."""
-    run_dir = os.path.join(out_dir, f"{exp}__1")
+    stopped; returns (metrics rows, wall seconds or None for a stopped run, command, run folder)."""
+    run_dir = os.path.join(out_dir, f"{exp}__{flags[flags.index('--seed') + 1] if '--seed' in flags else 1}")
     done, started = os.path.join(run_dir, "benchmark.json"), os.path.join(out_dir, f"{exp}.started.json")
     cmd = [sys.executable, os.path.join(ROOT, script), "--exp_name", exp, "--output_dir", out_dir, *flags]
     same = lambda path: os.path.exists(path) and json.load(open(path))["cmd"][1:] == cmd[1:]  # noqa: E731
@@ -55,7 +55,7 @@ def run(script, exp, flags, out_dir, reuse):
             json.dump({"cmd": cmd, "wall_s": wall, "load_1min": os.getloadavg()[0]}, f)
     name = "eval_only.jsonl" if "--eval_only" in flags else "metrics.jsonl"
     rows = [json.loads(line) for line in open(os.path.join(run_dir, name))]
-    return rows, wall, " ".join(["python", script, *flags])
+    return rows, wall, " ".join(["python", script, *flags]), run_dir
 
 
 def wall_minutes(rows):
@@ -84,7 +84,7 @@ def main():
     shown_flags = "".join(f' --script_flags {script} "{flags}"' for script, flags in args.script_flags)
     out_dir = os.path.join(args.out_dir, args.name)
     os.makedirs(out_dir, exist_ok=True)
-    base, base_wall, base_cmd = run("grpo.py", "base", [*SETTINGS, "--eval_only", *extra], out_dir, args.reuse)
+    base, base_wall, base_cmd, _ = run("grpo.py", "base", [*SETTINGS, "--eval_only", *extra], out_dir, args.reuse)
     lines = [f"# {args.name}", "", f"Command: `python benchmarks/real_model.py --scripts {' '.join(args.scripts)} "
              f"--steps {args.steps} --eval_every {args.eval_every} --name {args.name}{shown_flags}"
              f"{' -- ' + ' '.join(extra) if extra else ''}`", "",
@@ -97,7 +97,7 @@ def main():
     for script in args.scripts:
         flags = [*SETTINGS, "--total_steps", str(args.steps), "--eval_every", str(args.eval_every), *extra,
                  *script_flags[script]]
-        rows, wall, cmd = run(f"{script}.py", script, flags, out_dir, args.reuse)
+        rows, wall, cmd, run_dir = run(f"{script}.py", script, flags, out_dir, args.reuse)
         results[script] = rows
         elapsed = wall_minutes(rows)
         lines.append(f"| {script} | 0 | 0 | {base[-1]['eval/pass@1_greedy']:.3f} | "
@@ -112,7 +112,7 @@ def main():
                              f"{np.mean([w['charts/completion_length'] for w in window]):.1f} |")
         ending = (f"stopped at step {rows[-1]['step']}" if wall is None else f"wall {wall / 60:.1f} min in all (model "
                   f"loading included), 1-minute load at the end "
-                  f"{json.load(open(os.path.join(out_dir, f'{script}__1', 'benchmark.json')))['load_1min']:.2f}")
+                  f"{json.load(open(os.path.join(run_dir, 'benchmark.json')))['load_1min']:.2f}")
         lines += ["", f"{script}: `{cmd}`; {ending}; median step {np.median([r['time/step'] for r in rows]):.1f} s.",
                   ""]
     path = write_results(args.name, lines)
