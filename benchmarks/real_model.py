@@ -26,10 +26,10 @@ from toy_runs import pyplot, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1"
-SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", "--engine", "hf",
-            "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--learning_rate", "1e-5",
-            "--threads", "2", "--eval_size", "100", "--eval_samples", "1", "--log_completions_every",
-            "10"]
+MODEL_TASK = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", "--engine", "hf",
+              "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--learning_rate", "1e-5",
+              "--threads", "2"]  # also benchmarks/vs_trl.py --real's
+SETTINGS = [*MODEL_TASK, "--eval_size", "100", "--eval_samples", "1", "--log_completions_every", "10"]
 
 
 def run(script, exp, flags, out_dir, reuse):
