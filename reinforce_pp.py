@@ -22,7 +22,6 @@ the training loop changes only where the advantages are computed. `diff grpo.py 
 import contextlib
 import importlib.util
 import os
-import resource
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -32,11 +31,12 @@ import torch
 
 from utils.checks import check_lengths, resolve_args
 from utils.hf_engine import Sample, hf_generate
-from utils.rewards import FAILURES, RewardScorer, default_reward_workers
+from utils.models import load_tokenizer
+from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, engine_is_weights, entropy_threshold, kl_k1, kl_k2, make_batch,
                       masked_whiten, micro_batches, pass_at_k, slice_batch, token_rewards)
-from utils.runs import (close_metrics, load_checkpoint, log_metrics, open_metrics, quiet_libraries, reduce_metrics,
-                        resume_checkpoint, save_checkpoint, save_model, write_eval_only)
+from utils.runs import (add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
+                        resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
 
 
@@ -219,21 +219,7 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     return loss, means, maxes
 
 
-# ---- Model and tokenizer --------------------------------------------------------------------------------------------
-
-
-def load_tokenizer(args):
-    from transformers import AutoTokenizer, GenerationConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    try:  # chat models end a turn with a token of their generation config (Qwen: <|im_end|> and <|endoftext|>)
-        eos = GenerationConfig.from_pretrained(args.model).eos_token_id
-    except OSError:
-        eos = None
-    tokenizer.stop_ids = sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
-    return tokenizer
+# ---- Model --------------------------------------------------------------------------------------------------------
 
 
 def load_model(args, accelerator, tokenizer, trainable=True):
@@ -273,9 +259,10 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
 
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature, micro_batch_size, num_minibatches=1, with_entropy=False):
-    """Trainer log-probs (pi_old, pi_ref) of a rollout batch; with_entropy: (log-probs, entropies). The micro-batches
-    are update_policy's first epoch's, so pi_old here and the first mini-batch's pi_theta are bitwise equal."""
-    logp, entropy = torch.zeros_like(batch["completion_mask"]), torch.zeros_like(batch["completion_mask"])
+    """Trainer log-probs (pi_old, pi_ref) of a rollout batch, and their entropies with_entropy (else None). The
+    micro-batches are update_policy's first epoch's, so pi_old here and the first mini-batch's pi_theta are equal."""
+    logp = torch.zeros_like(batch["completion_mask"])
+    entropy = torch.zeros_like(logp) if with_entropy else None
     for minibatch in torch.arange(len(logp), device=logp.device).chunk(num_minibatches):
         for rows, mc in micro_batches(batch, minibatch, micro_batch_size):
             mc_logp, mc_entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
@@ -283,17 +270,18 @@ def batched_logprobs(model, batch, temperature, micro_batch_size, num_minibatche
             logp[rows, :mc_logp.shape[1]] = mc_logp
             if with_entropy:
                 entropy[rows, :mc_logp.shape[1]] = mc_entropy
-    return (logp, entropy) if with_entropy else logp
+    return logp, entropy
 
 
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
 
 
-def create_engine(args, accelerator):
-    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for the HF decode loop."""
+def create_engine(args, accelerator, stop_ids):
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for the HF decode loop; both end a
+    completion at its first stop token (stop_ids)."""
     vllm_installed = importlib.util.find_spec("vllm") is not None
     if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
-        return {"llm": None}
+        return {"llm": None, "stop_ids": stop_ids}
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29511"}.items():
@@ -310,7 +298,8 @@ def create_engine(args, accelerator):
         llm.sleep(level=args.vllm_sleep_level)
     # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
     # level-2 sleep); generate() pushes whenever it differs from the policy's version
-    return {"llm": llm, "weights_version": None, "asleep": on_gpu, "sleep_level": args.vllm_sleep_level}
+    return {"llm": llm, "stop_ids": stop_ids, "weights_version": None, "asleep": on_gpu,
+            "sleep_level": args.vllm_sleep_level}
 
 
 def push_weights(engine, model, accelerator):
@@ -326,7 +315,8 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
     policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
     llm, sync_time = engine["llm"], 0.0
     if llm is None:
-        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator), sync_time
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator,
+                           engine["stop_ids"]), sync_time
     from vllm import SamplingParams
 
     if engine["asleep"]:
@@ -339,7 +329,7 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
         llm.wake_up(tags=["kv_cache"])
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                            stop_token_ids=tokenizer.stop_ids)
+                            stop_token_ids=engine["stop_ids"])
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     if engine["asleep"]:
         llm.sleep(level=engine["sleep_level"])
@@ -441,7 +431,7 @@ def update_policy(args, model, optimizer, batch, accelerator):
                     token_means["policy/tis_bounded_frac"] = bounded.sum() / num_tokens
                 if "pg_mask" in mc:
                     token_means["policy/entropy_kept_frac"] = mc["pg_mask"][m].sum() / num_tokens
-                if epoch == 0 and mb_start == 0:
+                if epoch == 0 and mb_start == 0 and "old_logp" in batch:  # pi_old from its own pass must match
                     mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
                     ).mul(m).max()
                 for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
@@ -485,7 +475,7 @@ def main(args):
     try:
         args = resolve_args(args, check_algorithm_args, accelerator.num_processes)
         checkpoint = resume_checkpoint(run_dir, args)
-        tokenizer = load_tokenizer(args)
+        tokenizer, stop_ids = load_tokenizer(args.model)
         check_lengths(args)
         train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
     except (ValueError, OSError) as e:
@@ -505,7 +495,7 @@ def main(args):
         ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
         accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
-    engine = create_engine(args, accelerator)
+    engine = create_engine(args, accelerator, stop_ids)
 
     if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
         result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
@@ -538,20 +528,15 @@ def main(args):
         # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
         times["train"] = time.time()
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
-        golds = [r["answer"] for r in rows for _ in range(G)]
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         mask = batch["completion_mask"]
-        if old_logp_pass and args.top_entropy_frac < 1:
-            batch["old_logp"], batch["old_entropy"] = batched_logprobs(model, batch, args.temperature,
-                                                                       args.micro_batch_size, args.num_minibatches,
-                                                                       with_entropy=True)
-        elif old_logp_pass:
-            batch["old_logp"] = batched_logprobs(model, batch, args.temperature, args.micro_batch_size,
-                                                 args.num_minibatches)
+        if old_logp_pass:  # with pi_old's entropies when --top_entropy_frac needs them
+            batch["old_logp"], batch["old_entropy"] = batched_logprobs(
+                model, batch, args.temperature, args.micro_batch_size, args.num_minibatches, args.top_entropy_frac < 1)
         if ref_model is not None:
-            batch["ref_logp"] = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size,
-                                                 args.num_minibatches)
+            batch["ref_logp"], _ = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size,
+                                                    args.num_minibatches)
         # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
         accuracy, formats, counts = scorer.result(scoring)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
@@ -568,44 +553,21 @@ def main(args):
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        gap = (batch["engine_logp"] - old_logp).abs() * mask
-        num_tokens = accelerator.reduce(mask.sum(), reduction="sum")
-        lengths = mask.sum(-1)
-        now = time.time()
-        metrics = reduce_metrics(accelerator, sums={
-            **train_stats["sums"], "rollout/logprob_gap_mean": gap.sum() / num_tokens,
-            **{f"charts/reward_{kind}": counts[kind] for kind in FAILURES},
-        }, means={
-            **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
-            "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
-            "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
-            "charts/no_answer_frac": counts["no_answer"] / len(samples),
-            "rollout/tokens_per_s": mask.sum() / (times["train"] - times["rollout"]),
-            "time/rollout": times["train"] - times["rollout"], "time/weight_sync": sync_time,
-            "time/score": scoring.waited, "time/score_hidden": scoring.hidden,
-            "time/train": now - times["train"] - scoring.waited,
-            "time/step": now - times["step"],
-        }, maxes={
-            **train_stats["maxes"], "charts/completion_length_max": lengths.max(), "rollout/logprob_gap_max": gap.max(),
-            "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30} if on_gpu else {}),
-        })
+        add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
+        metrics = step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, {
+            "step": time.time() - times["step"], "rollout": times["train"] - times["rollout"],
+            "weight_sync": sync_time, "score": scoring.waited, "score_hidden": scoring.hidden})
         metrics["charts/reward_std"] = all_rewards.std().item()
         if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            start = time.time()
             metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
                                     policy_version=step))
-            metrics["time/eval"] = time.time() - now
+            metrics["time/eval"] = time.time() - start
         metrics["step"] = step
         if accelerator.is_main_process:
-            log_metrics(metrics_file, metrics, args.track)
-            progress.write(f"step {step}/{args.total_steps}" + "".join(
-                f" {k.split('/')[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics) +
-                f" ({metrics['time/step']:.2f} s)")
-            if args.log_completions_every and step % args.log_completions_every == 0:
-                shown = range(0, len(texts), max(1, len(texts) // 3))[:3]
-                for i in shown:
-                    progress.write(f"  {rows[i // G]['question'][-100:]!r} -> {texts[i][-200:]!r} "
-                                   f"[gold {golds[i]}, reward {task_rewards[i]:.2f}]")
+            log_step(metrics_file, metrics, args, progress.write, CONSOLE_KEYS, [
+                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], task_rewards[i])
+                for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
         if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))

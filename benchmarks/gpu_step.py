@@ -68,7 +68,7 @@ def run_engine(engine_name, opts, model_dir):
                                   learning_rate=1e-6, beta=0.04, eval_every=0,
                                   vllm_gpu_memory_utilization=opts.gpu_memory_utilization), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
-    tokenizer = grpo.load_tokenizer(args)
+    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
     model = grpo.load_model(args, accelerator, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -78,7 +78,7 @@ def run_engine(engine_name, opts, model_dir):
     result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "memory_trainer_loaded": gpu_memory_gb()}
     start = time.time()
-    engine = grpo.create_engine(args, accelerator)
+    engine = grpo.create_engine(args, accelerator, stop_ids)
     result["engine_start_s"] = time.time() - start
     if engine["llm"] is not None and engine["asleep"]:  # what sleep frees: the engine awake, then asleep again
         result["memory_engine_asleep"] = gpu_memory_gb()
@@ -102,7 +102,7 @@ def run_engine(engine_name, opts, model_dir):
         times["rollout"] = time.time()
         batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples, tokenizer.pad_token_id,
                            accelerator.device)
-        batch["ref_logp"] = grpo.batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        batch["ref_logp"], _ = grpo.batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
         times["reference"] = time.time()
         rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
         batch["advantages"] = grpo.compute_advantages(rewards, opts.generations, "group", 1e-6)

@@ -35,24 +35,24 @@ def main():
 
     args = resolve_args(grpo.Args(model=opts.model), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=True)
-    tokenizer = grpo.load_tokenizer(args)
+    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
     model = grpo.load_model(args, accelerator, tokenizer).eval()
     prompts = [tokenizer(f"{i % 100:02d}+{(7 * i) % 100:02d}=", add_special_tokens=False)["input_ids"]
                for i in range(opts.prompts)]
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=opts.new_tokens, use_cache=True,
-                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.stop_ids)
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids)
     inputs = tokenizer.pad({"input_ids": [p for p in prompts for _ in range(opts.generations)]}, padding_side="left",
                            return_tensors="pt")
 
     def transformers_generate():
         with torch.no_grad():
             out = model.generate(**inputs, generation_config=config)[:, inputs["input_ids"].shape[1]:]
-        return int(sum(next((t + 1 for t, x in enumerate(row) if x in tokenizer.stop_ids), len(row))
+        return int(sum(next((t + 1 for t, x in enumerate(row) if x in stop_ids), len(row))
                        for row in out.tolist()))
 
     def decode_loop():
         return sum(len(ids) for ids, _, _ in hf_generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0,
-                                                              opts.new_tokens, accelerator))
+                                                              opts.new_tokens, accelerator, stop_ids))
 
     sides = {"transformers generate()": transformers_generate, "hf_generate": decode_loop}
     times, tokens = {name: [] for name in sides}, {name: [] for name in sides}

@@ -38,9 +38,9 @@ def main():
     args = resolve_args(grpo.Args(model=opts.model, task=opts.task, answer_format=opts.answer_format,
                                   max_new_tokens=opts.max_new_tokens, engine="hf"), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=True)
-    tokenizer = grpo.load_tokenizer(args)
+    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
     model = grpo.load_model(args, accelerator, tokenizer).eval()
-    engine = grpo.create_engine(args, accelerator)
+    engine = grpo.create_engine(args, accelerator, stop_ids)
     rows = load_task(args.task, "test", tokenizer, args.answer_format)[0][:opts.problems]
     lines = [f"\n`python benchmarks/prompt_start.py --model {opts.model} --task {opts.task} --problems {opts.problems}"
              f" --samples {opts.samples} --max_new_tokens {opts.max_new_tokens}`\n",

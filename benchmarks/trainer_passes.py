@@ -78,13 +78,13 @@ def main():
 
     args = resolve_args(grpo.Args(model=opts.model), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=True)
-    tokenizer = grpo.load_tokenizer(args)
+    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
     model, ref_model = grpo.load_model(args, accelerator, tokenizer), grpo.load_model(args, accelerator, tokenizer)
     rows = toy_problems("train")[:args.prompts_per_step]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     torch.manual_seed(0)
     samples = hf_generate(model, tokenizer, prompts, args.num_generations, args.temperature, args.top_p,
-                          args.max_new_tokens, accelerator)
+                          args.max_new_tokens, accelerator, stop_ids)
     batch = make_batch([p for p in prompts for _ in range(args.num_generations)], samples, tokenizer.pad_token_id,
                        accelerator.device)
     batch["advantages"] = torch.randn(len(samples))
@@ -115,7 +115,7 @@ def main():
         seconds = {}
         with sdpa_kernel(backend):
             start = time.perf_counter()
-            ref_logp = grpo.batched_logprobs(reference, batch, args.temperature, size)
+            ref_logp, _ = grpo.batched_logprobs(reference, batch, args.temperature, size)
             seconds["pi_ref pass"] = time.perf_counter() - start
             ref_logps[name] = ref_logp
             start = time.perf_counter()

@@ -183,4 +183,4 @@ def test_two_processes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["dapo/trained_groups"] in (0, 2, 4) and r["dapo/gen_rounds"] >= 1
-        assert r["policy/first_minibatch_ratio_dev_max"] == 0.0 or not r["dapo/trained_groups"]
+        assert r.get("policy/first_minibatch_ratio_dev_max", 0.0) == 0.0  # absent in a step that trained nothing

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 import grpo
 from tests.helpers import resolved
 from utils.hf_engine import Sample, hf_generate, sample_tokens
+from utils.models import load_tokenizer
 
 PROMPTS = ["12+34=", "07+45=", "99+99=", "5+5="]  # the last one is shorter: left padding is exercised
 
@@ -21,7 +22,8 @@ def setup(model_dir=None, **overrides):
     if model_dir is not None:
         args.model = str(model_dir)
     accelerator = Accelerator(cpu=True)
-    tokenizer = grpo.load_tokenizer(args)
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    assert stop_ids == [tokenizer.eos_token_id]  # the embedded model's: rollouts below pass it
     model = grpo.load_model(args, accelerator, tokenizer).eval()
     return args, accelerator, tokenizer, model
 
@@ -29,10 +31,11 @@ def setup(model_dir=None, **overrides):
 def rollout(model, tokenizer, accelerator, temperature, n=4, max_new_tokens=48):
     torch.manual_seed(0)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    samples, _ = grpo.generate({"llm": None}, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens,
-                               accelerator, policy_version=1)
+    engine = {"llm": None, "stop_ids": [tokenizer.eos_token_id]}  # the HF decode loop
+    samples, _ = grpo.generate(engine, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens, accelerator,
+                               policy_version=1)
     batch = grpo.make_batch([p for p in prompts for _ in range(n)], samples, tokenizer.pad_token_id, "cpu")
-    return samples, batch, grpo.batched_logprobs(model, batch, temperature, micro_batch_size=5)
+    return samples, batch, grpo.batched_logprobs(model, batch, temperature, micro_batch_size=5)[0]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
@@ -42,7 +45,7 @@ def test_sampling_logprobs_match_the_trainer(temperature):
     mask = batch["completion_mask"].bool()
     assert (batch["engine_logp"] - trainer).abs()[mask].max() < 1e-4
     if temperature != 1.0:  # the trainer without the temperature would not match: the test can tell
-        untempered = grpo.batched_logprobs(model, batch, 1.0, micro_batch_size=5)
+        untempered, _ = grpo.batched_logprobs(model, batch, 1.0, micro_batch_size=5)
         assert (batch["engine_logp"] - untempered).abs()[mask].max() > 1e-2
 
 
@@ -63,13 +66,12 @@ def test_left_padding_does_not_change_logprobs():
     prompt = tokenizer(PROMPTS[-1])["input_ids"]  # the short, left-padded prompt
     ids, _, _ = samples[-1]
     alone = grpo.make_batch([prompt], [Sample(ids, None, False)], tokenizer.pad_token_id, "cpu")
-    single = grpo.batched_logprobs(model, alone, 1.0, micro_batch_size=1)
+    single, _ = grpo.batched_logprobs(model, alone, 1.0, micro_batch_size=1)
     assert torch.allclose(single[0, :len(ids)], trainer[-1, :len(ids)], atol=1e-5)
 
 
 def test_stop_tokens_and_truncation():
     _, accelerator, tokenizer, model = setup()
-    assert tokenizer.stop_ids == [tokenizer.eos_token_id]
     samples, batch, _ = rollout(model, tokenizer, accelerator, 1.0, max_new_tokens=5)
     assert all(truncated and len(ids) == 5 for ids, _, truncated in samples)  # no answer fits in 5 tokens
     samples, _, _ = rollout(model, tokenizer, accelerator, 0.0)  # greedy: no sampling log-probs
@@ -90,13 +92,13 @@ def test_fsdp_ranks_keep_stepping_until_every_rank_is_done():
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_call.append(
         len(kwargs["input_ids"])), with_kwargs=True)
     torch.manual_seed(0)
-    alone = hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, accelerator)
+    alone = hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, accelerator, [tokenizer.eos_token_id])
     calls_alone, rows_alone, rows_per_call[:] = len(rows_per_call), list(rows_per_call), []
     other_rank_busy = types.SimpleNamespace(distributed_type=DistributedType.FSDP, device=accelerator.device,
                                             unwrap_model=accelerator.unwrap_model,
                                             reduce=lambda t, reduction: torch.ones_like(t))
     torch.manual_seed(0)
-    synced = hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, other_rank_busy)
+    synced = hf_generate(model, tokenizer, prompts, 2, 1.0, 1.0, 40, other_rank_busy, [tokenizer.eos_token_id])
     hook.remove()
     assert synced == alone
     assert rows_alone[0] == len(PROMPTS) and rows_alone[1] <= 2 * len(PROMPTS)  # prefilled once per prompt
@@ -120,8 +122,11 @@ def test_single_update_reuses_the_forward_pass_exactly():
         # pi_old from the training pass itself or from a separate pass: the same model on micro-batches of other
         # shapes, whose kernels may round differently (AVX-512, AMX): equal to float32 rounding, not bit for bit
         assert torch.allclose(used * b["completion_mask"], old_logp * b["completion_mask"], atol=1e-5)
-        if precomputed:  # (from the training pass, the first mini-batch's ratio is exactly 1 by construction)
+        if precomputed:  # (from the training pass, the first mini-batch's ratio is exactly 1 by construction: the
+            # metric is logged only when pi_old has a pass of its own)
             assert stats["maxes"]["policy/first_minibatch_ratio_dev_max"] < 1e-5
+        else:
+            assert "policy/first_minibatch_ratio_dev_max" not in stats["maxes"]
         updated.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
     assert torch.allclose(updated[0], updated[1], atol=1e-7)
     assert not torch.allclose(updated[0], torch.cat([p.detach().flatten() for p in model.parameters()]))

@@ -15,7 +15,7 @@ import torch
 
 import grpo
 from tests.helpers import ROOT, SMALL, resolved, run_grpo
-from utils.runs import find_checkpoint
+from utils.runs import find_checkpoint, step_metrics
 
 
 def test_import_has_no_side_effects(tmp_path):
@@ -40,6 +40,26 @@ def test_help_documents_every_argument():
     helps = [line for line in out.splitlines() if line.strip().startswith("--")]
     assert all(len(line.split()) > 1 for line in helps)
     assert "pi/pi_old * k3" in out and "Dr. GRPO" in out  # the field docstrings became the help text
+
+
+def test_step_metrics_are_the_rollouts_and_the_phases_add_up_to_the_step():
+    """utils/runs.py step_metrics, which every script logs through: one definition of each rate and time."""
+    from accelerate import Accelerator
+
+    from utils.hf_engine import Sample
+
+    samples = [Sample([5, 6, 7], [-0.1] * 3, False), Sample([5], [-0.2], True)]
+    counts = {"no_answer": 1, "unparsed": 0, "timeouts": 2, "verify_timeouts": 0, "errors": 0, "memory": 0}
+    metrics = step_metrics(Accelerator(cpu=True), {"sums": {"losses/policy": 0.5}, "means": {}, "maxes": {}}, samples,
+                           [1.0, 0.0], [1.0, 0.0], torch.tensor([1.1, 0.0]), counts,
+                           {"step": 2.0, "rollout": 0.5, "weight_sync": 0.1, "score": 0.25, "score_hidden": 0.2})
+    assert metrics["time/train"] == pytest.approx(1.25)  # step - rollout - score
+    assert sum(metrics[f"time/{k}"] for k in ("rollout", "score", "train")) == pytest.approx(metrics["time/step"])
+    assert metrics["rollout/tokens_per_s"] == pytest.approx(4 / 0.5)
+    assert (metrics["charts/completion_length"], metrics["charts/completion_length_max"]) == (2.0, 3.0)
+    assert metrics["charts/truncated_frac"] == 0.5 and metrics["charts/no_answer_frac"] == 0.5
+    assert metrics["charts/reward"] == pytest.approx(0.55) and metrics["charts/reward_timeouts"] == 2
+    assert metrics["losses/policy"] == 0.5 and "charts/reward_no_answer" not in metrics
 
 
 def test_real_models_do_not_inherit_toy_defaults(tmp_path):
@@ -120,6 +140,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
                     "losses/entropy", "policy/clip_frac", "policy/tis_bounded_frac", "time/rollout", "time/score",
                     "time/train", "time/step"):
             assert np.isfinite(r[key]), key
+        assert r["time/rollout"] + r["time/score"] + r["time/train"] == pytest.approx(r["time/step"])
     assert max(r["policy/ratio_max"] for r in rows) > 1.0  # later mini-batches are off-policy
     assert "eval/pass@1_greedy" in rows[1] and "eval/pass@1_sampled_k2" in rows[2]
     assert 1 >= rows[2]["eval/pass@2"] >= rows[2]["eval/pass@1_sampled_k2"]  # from the same 2 samples per problem

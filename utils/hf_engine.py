@@ -16,16 +16,17 @@ class Sample(NamedTuple):
 
 
 @torch.no_grad()
-def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator):
+def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, stop_ids):
     """Decode with the policy's forward pass and KV cache: each prompt prefilled once for its n completions, finished
     rows dropped from the batch, so a step costs the completions still running (2.1x faster than transformers'
     generate() on the toy: benchmarks/hf_decode.py). Under FSDP every rank runs every forward pass: a finished rank
-    keeps a dummy row. Returns n * len(prompts) Samples, the n completions of each prompt together."""
+    keeps a dummy row. A completion ends at its first token in stop_ids. Returns n * len(prompts) Samples, the n
+    completions of each prompt together."""
     from transformers import DynamicCache
 
     unwrapped, device, total = accelerator.unwrap_model(model), accelerator.device, len(prompts) * n
     inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(device)
-    prompt_width, stop_ids = inputs["input_ids"].shape[1], torch.tensor(tokenizer.stop_ids, device=device)
+    prompt_width, stop_tensor = inputs["input_ids"].shape[1], torch.tensor(stop_ids, device=device)
     positions = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     attention_mask = torch.cat([inputs["attention_mask"], positions.new_ones(len(prompts), max_new_tokens)], dim=1)
     synced = accelerator.distributed_type == "FSDP"  # a str enum
@@ -45,7 +46,7 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
             token, token_logp = sample_tokens(logits, temperature, top_p) if temperature > 0 else (
                 logits.argmax(-1), torch.zeros(len(logits), device=device))
             tokens[rows, t], logprobs[rows, t] = token, token_logp
-            running = ~torch.isin(token, stop_ids) & (rows < total)
+            running = ~torch.isin(token, stop_tensor) & (rows < total)
             num_running = int(running.sum())  # the host sync of the step
             go_on = num_running > 0
             if synced:  # every rank steps until all ranks are done
@@ -58,9 +59,9 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
                 rows = rows[keep] if num_running else rows.new_full((1,), total)
                 token, attention_mask, positions = token[keep], attention_mask[keep], positions[keep]
             input_ids, positions = token[:, None], positions[:, -1:] + 1
-    stops = torch.isin(tokens[:total], stop_ids)  # a completion ends at its first stop token, or is truncated
+    stops = torch.isin(tokens[:total], stop_tensor)  # a completion ends at its first stop token, or is truncated
     lengths = torch.where(stops.any(-1), stops.int().argmax(-1) + 1, max_new_tokens)
-    return [Sample(ids[:length], lps[:length] if temperature > 0 else None, ids[length - 1] not in tokenizer.stop_ids)
+    return [Sample(ids[:length], lps[:length] if temperature > 0 else None, ids[length - 1] not in stop_ids)
             for ids, lps, length in zip(tokens[:total].tolist(), logprobs[:total].tolist(), lengths.tolist())]
 
 

