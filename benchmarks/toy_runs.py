@@ -3,7 +3,7 @@
     python benchmarks/toy_runs.py                       # grpo (paper defaults), 3 seeds, 200 steps
     python benchmarks/toy_runs.py --variants grpo dr_grpo token_mean --seeds 1 2 3
     python benchmarks/toy_runs.py --variants grpo vllm_cpu --seeds 1 --steps 60   # engine step-time ratio
-    python benchmarks/toy_runs.py --variants grpo dapo gspo cispo reinforce_pp reinforce_pp_baseline ppo --jobs 2
+    python benchmarks/toy_runs.py --variants grpo dapo gspo cispo aspo reinforce_pp reinforce_pp_baseline ppo --jobs 2
     python benchmarks/toy_runs.py --variants ppo ppo_groups ppo_256_prompts ppo_1_epoch --steps 80 --jobs 2
 
 Runs the algorithm scripts in subprocesses (one CPU thread each; --jobs N at a time), reads each run's metrics.jsonl, and writes
@@ -33,6 +33,7 @@ VARIANTS = {  # name: (script, flags)
     "dapo": ("dapo.py", []),  # each script with its own defaults
     "gspo": ("gspo.py", []),
     "cispo": ("cispo.py", []),
+    "aspo": ("aspo.py", []),
     "reinforce_pp": ("reinforce_pp.py", []),
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
     "gdpo": ("grpo.py", ["--reward_norm", "normalize_then_sum"]),  # accuracy and format normalized separately
