@@ -5,7 +5,6 @@ import os
 import signal
 import threading
 import time
-from multiprocessing import Pipe
 
 import pytest
 
@@ -164,10 +163,10 @@ def test_a_stuck_check_is_killed_and_only_its_answer_scores_zero():
     tower = "\\boxed{" + "9^{" * 6 + "9" + "}" * 6 + "}"  # math-verify's own alarm gives up after 2 s
     texts = ["\\boxed{72}", tower, "\\boxed{72.0}", "\\boxed{73}", "\\boxed{72}"]
     with RewardScorer("math", "boxed", num_workers=1, timeout=0.5) as s:
-        first = s.workers[0]["process"].pid
+        first = worker_pid(s)
         acc, _, counts = s.result(s.submit(texts, ["72", "1", "72", "72", "72"]))
         assert acc == [1.0, 0.0, 1.0, 0.0, 1.0] and counts["timeouts"] == 1
-        assert s.workers[0]["process"].pid != first  # replaced
+        assert worker_pid(s) != first  # replaced
         acc, _, counts = s.result(s.submit(["\\boxed{0.5}"], ["\\frac{1}{2}"]))
         assert acc == [1.0] and counts["timeouts"] == 0
 
@@ -176,9 +175,10 @@ def test_a_worker_that_dies_costs_one_answer_not_the_step():
     tower = "\\boxed{" + "9^{" * 6 + "9" + "}" * 6 + "}"
     with RewardScorer("math", "boxed", num_workers=1, timeout=30.0) as s:
         s.result(s.submit(["\\boxed{0.5}"], ["\\frac{1}{2}"]))  # warmed up
+        pid = worker_pid(s)
         job = s.submit([tower, "\\boxed{0.5}", "\\boxed{0.25}"], ["1", "\\frac{1}{2}", "\\frac{1}{2}"])
         time.sleep(0.5)  # the tower is being checked
-        os.kill(s.workers[0]["process"].pid, signal.SIGKILL)  # what the kernel's OOM killer would do
+        os.kill(pid, signal.SIGKILL)  # what the kernel's OOM killer would do
         acc, _, counts = s.result(job)
         assert acc == [0.0, 1.0, 0.0] and counts["memory"] == 1
 
@@ -186,22 +186,21 @@ def test_a_worker_that_dies_costs_one_answer_not_the_step():
 def test_workers_have_a_memory_limit():
     with RewardScorer("math", "boxed", num_workers=1, memory_mb=512) as s:
         assert s.result(s.submit(["\\boxed{0.5}"], ["\\frac{1}{2}"]))[0] == [1.0]  # the worker has started
-        limits = open(f"/proc/{s.workers[0]['process'].pid}/limits").read()
+        limits = open(f"/proc/{worker_pid(s)}/limits").read()
     line = next(row for row in limits.splitlines() if row.startswith("Max address space"))
     assert line.split()[3] != "unlimited"
 
 
-def run_worker_in_thread(task):
-    """The worker loop on a thread of this process, so a test can make its checker raise."""
-    ours, theirs = Pipe()
-    thread = threading.Thread(target=rewards._worker, args=(theirs, 0), daemon=True)
-    thread.start()
-    assert ours.recv() == "ready"
-    ours.send(task)
-    replies = [ours.recv() for _ in task[2]]
-    ours.send(None)
-    thread.join()
-    return [(status, value) for _, _, status, value in replies]
+def worker_pid(scorer):
+    """The process id of a one-worker scorer's worker, asked of the worker itself."""
+    return scorer.pool.schedule(os.getpid).result()
+
+
+def check_in_this_process(gold, answers, rg_task=None):
+    """The workers' check, run in this process (no limits), so a test can make its checker raise."""
+    rewards._WORKER.clear()
+    rewards._start_worker(0, rg_task)
+    return [rewards._check(gold, answer) for answer in answers]
 
 
 @pytest.mark.parametrize("exception, status", [(ValueError("checker bug"), "errors"), (MemoryError(), "memory")])
@@ -214,7 +213,7 @@ def test_a_checker_exception_is_counted_per_answer(monkeypatch, exception, statu
         return real(answer)
 
     monkeypatch.setattr(rewards, "parse_answer", flaky)
-    assert run_worker_in_thread((0, "72", ["72.0", "13", "73"])) == [("ok", 1.0), (status, 0.0), ("ok", 0.0)]
+    assert check_in_this_process("72", ["72.0", "13", "73"]) == [("ok", 1.0), (status, 0.0), ("ok", 0.0)]
 
 
 def test_gold_parses_off_the_main_thread():
@@ -311,12 +310,21 @@ def test_a_verifier_exception_is_counted(monkeypatch, rg_rows):
         raise RuntimeError("verifier bug")
 
     monkeypatch.setattr(rewards, "rg_score", broken)
-    ours, theirs = Pipe()
-    thread = threading.Thread(target=rewards._worker, args=(theirs, 0, RG_TASK), daemon=True)
-    thread.start()
-    assert ours.recv() == "ready"
-    ours.send((0, rg_rows[0]["entry"], ["1", "2"]))
-    replies = [ours.recv()[2] for _ in range(2)]
-    ours.send(None)
-    thread.join()
-    assert replies == ["errors", "errors"]
+    assert check_in_this_process(rg_rows[0]["entry"], ["1", "2"], RG_TASK) == [("errors", 0.0), ("errors", 0.0)]
+
+
+def test_a_worker_that_cannot_start_stops_the_run_with_its_reason():
+    """A worker whose start-up raised (e.g. a memory limit too small for the checker) answers every check with its
+    reason, and the scorer's result() raises it in one line instead of scoring every answer 0."""
+    from concurrent.futures import Future
+
+    rewards._WORKER.clear()
+    rewards._WORKER["failed"] = "MemoryError: "
+    future = Future()
+    future.set_result(rewards._check("1", "1"))
+    job, scorer = rewards.ScoreJob(["\\boxed{1}"], "boxed"), RewardScorer("toy", "answer_tags")
+    job.pending = 1
+    scorer._record(job, [0], future)
+    with pytest.raises(RuntimeError, match=r"a reward worker failed to start \(MemoryError: \)"):
+        scorer.result(job)
+    rewards._WORKER.clear()

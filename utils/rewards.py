@@ -7,11 +7,11 @@ through, so answers are read strictly and every check is bounded:
   operators, and a \\text{} holding a number is a hedge: "73 (I'm not sure, maybe 72)", "72 @ 73", "72 & 73 & 74"
   and "72 \\text{ (or 73)}" score 0 instead of being read as a single number.
 - Plain numbers (most GSM8K answers) are compared exactly in this process when they are equal or clearly apart.
-  Everything else goes to math-verify in K warm worker processes (RewardScorer), started once through a fork server
-  (never forked from a large CUDA process), each with a memory limit; the gold is parsed once per group, each
-  distinct answer checked once, and only the extracted answer (<= 300 characters) is sent. An item running past the hard time limit gets its worker killed and replaced (a
-  killed process is the only bound that also stops C code, e.g. a huge integer power in sympy). Every failure kind
-  scores 0 and is counted; none aborts the step.
+  Everything else goes to math-verify in K warm worker processes (RewardScorer, a pebble process pool), started once
+  through a fork server (never forked from a large CUDA process), each with a memory limit; a gold is parsed once per
+  worker, each distinct answer checked once, and only the extracted answer (<= 300 characters) is sent. A check
+  running past the hard time limit gets its worker killed and replaced (a killed process is the only bound that also
+  stops C code, e.g. a huge integer power in sympy). Every failure kind scores 0 and is counted; none aborts the step.
 - A reasoning-gym task (rg:NAME) is checked by its dataset's own score_answer in the same workers, under the same
   bounds; a completion is correct when it gets the full score (partial credit, e.g. for an answer that merely
   contains the gold, would pay for boxing many numbers).
@@ -22,6 +22,7 @@ through, so answers are read strictly and every check is bounded:
 """
 
 import collections
+import functools
 import logging
 import multiprocessing
 import os
@@ -31,7 +32,6 @@ import signal
 import threading
 import time
 from decimal import Decimal
-from multiprocessing.connection import wait
 
 MAX_ANSWER_CHARS = 300  # a longer "answer" scores 0 without being parsed
 MAX_AFTER_BOX = 50  # characters after the box that still count as a well-formatted ending
@@ -201,73 +201,85 @@ def rg_score(dataset, answer, entry):
     return float(dataset.score_answer(answer, entry) >= 1.0)
 
 
-def _worker(conn, memory_bytes, rg_task=None):
-    """Worker process: receive (task id, gold, answers), send (task id, item index, status, value) per answer. For a
-    reasoning-gym task the gold is the row's entry and the dataset's score_answer checks each answer. memory_bytes 0:
-    no process limits (the tests run this loop on a thread)."""
-    if memory_bytes:
-        try:  # address-space limit on top of what the process already maps (Linux; elsewhere time limits only)
-            with open("/proc/self/statm") as f:
-                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
-            # no file writes: some reasoning-gym verifiers run sympy.parse_expr, i.e. Python's eval, on the answer
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
-            resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-        except (OSError, ValueError):
-            pass
+_WORKER = {}  # a worker process's warm state, set once by _start_worker
+
+
+def _start_worker(memory_bytes, rg_task=None):
+    """Each worker's initializer: process limits, math-verify warmed up, and for a reasoning-gym task its dataset
+    (whose score_answer reads the options it was made with). memory_bytes 0: no process limits (tests call this in
+    their own process). A failure is kept and reported by every check: the scorer then stops the run."""
+    try:
+        if memory_bytes:
+            try:  # address-space limit on top of what the process already maps (Linux; elsewhere time limits only)
+                with open("/proc/self/statm") as f:
+                    mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+                resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
+                # no file writes: some reasoning-gym verifiers run sympy.parse_expr, i.e. Python's eval, on the answer
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
+                resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+            except (OSError, ValueError):
+                pass
+        timeouts = _CountTimeouts()
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addHandler(timeouts)
+            logging.getLogger(name).propagate = False  # counted, not printed
+        math_equal("\\frac{1}{2}", "0.5")  # warm up: sympy imports its modules lazily (~0.7 s on the first comparison)
+        dataset = None
+        if rg_task:
+            from utils.tasks import rg_dataset
+
+            dataset = rg_dataset(rg_task, seed=0, size=1)
+        _WORKER.update(timeouts=timeouts, dataset=dataset)
+    except BaseException as e:  # noqa: BLE001 - e.g. a memory limit too small to import the checker
+        _WORKER["failed"] = f"{type(e).__name__}: {e}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_gold(gold):
+    """A gold parsed once per worker (every answer of its group reuses it)."""
+    try:
+        return parse_gold(gold)
+    except Exception:  # noqa: BLE001 - golds are checked at load time; this is a last resort
+        return []
+
+
+def _check(gold, answer):
+    """One answer, in a worker: (status, value). For a reasoning-gym task the gold is the row's entry and the
+    dataset's score_answer checks the answer; otherwise math-verify, strictly."""
     from math_verify import verify
 
-    timeouts = _CountTimeouts()
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logging.getLogger(name).addHandler(timeouts)
-        logging.getLogger(name).propagate = False  # counted, not printed
-    math_equal("\\frac{1}{2}", "0.5")  # warm up: sympy imports its modules lazily (~0.7 s on the first comparison)
-    if rg_task:
-        from utils.tasks import rg_dataset
-
-        dataset = rg_dataset(rg_task, seed=0, size=1)  # its score_answer reads the options it was made with
-    conn.send("ready")
-    while (task := conn.recv()) is not None:
-        task_id, gold, answers = task
-        if rg_task:
-            for j, answer in enumerate(answers):
-                try:
-                    conn.send((task_id, j, "ok", rg_score(dataset, answer, gold)))
-                except MemoryError:
-                    conn.send((task_id, j, "memory", 0.0))
-                except Exception:  # noqa: BLE001 - a verifier bug costs this answer its reward, never the run
-                    conn.send((task_id, j, "errors", 0.0))
-            continue
+    if "failed" in _WORKER:
+        return "startup", _WORKER["failed"]
+    if _WORKER["dataset"] is not None:
         try:
-            gold_parsed = parse_gold(gold)  # once per group
-        except Exception:  # noqa: BLE001 - golds are checked at load time; this is a last resort
-            gold_parsed = []
-        for j, answer in enumerate(answers):
-            before = timeouts.count
-            try:
-                answer_parsed = parse_answer(answer)
-                ok = bool(gold_parsed and answer_parsed and verify(gold_parsed, answer_parsed,
-                                                                   timeout_seconds=_timeout(2)))
-                status = "verify_timeouts" if timeouts.count > before else "ok" if answer_parsed else "unparsed"
-            except MemoryError:
-                ok, status = False, "memory"
-            except Exception:  # noqa: BLE001 - a checker bug costs this answer its reward, never the run
-                ok, status = False, "errors"
-            conn.send((task_id, j, status, float(ok)))
+            return "ok", rg_score(_WORKER["dataset"], answer, gold)
+        except MemoryError:
+            return "memory", 0.0
+        except Exception:  # noqa: BLE001 - a verifier bug costs this answer its reward, never the run
+            return "errors", 0.0
+    timeouts = _WORKER["timeouts"]
+    before = timeouts.count
+    try:
+        gold_parsed, answer_parsed = _parsed_gold(gold), parse_answer(answer)
+        ok = bool(gold_parsed and answer_parsed and verify(gold_parsed, answer_parsed, timeout_seconds=_timeout(2)))
+        return "verify_timeouts" if timeouts.count > before else "ok" if answer_parsed else "unparsed", float(ok)
+    except MemoryError:
+        return "memory", 0.0
+    except Exception:  # noqa: BLE001 - a checker bug costs this answer its reward, never the run
+        return "errors", 0.0
 
 
-# ---- The scorer: K warm workers, fed by a thread, so scoring overlaps the trainer's passes --------------------------
+# ---- The scorer: K warm workers (a pebble process pool), so scoring overlaps the trainer's passes -------------------
 
 
 class ScoreJob:
-    """One submitted batch: per-completion accuracy and readability, filled in by the scorer's thread."""
+    """One submitted batch: per-completion accuracy and readability, filled in as the workers' checks finish."""
 
     def __init__(self, completions, answer_format):
         self.shapes = [format_reward(c, answer_format) for c in completions]  # the format's shape, before parsing
         self.readable = [False] * len(completions)  # the checker could read the answer (format needs both)
         self.accuracy = [0.0] * len(completions)
         self.counts = {"no_answer": 0, **{kind: 0 for kind in FAILURES}}
-        self.targets = {}  # (task id, item index) -> the completions that share this answer
         self.pending, self.done = 0, threading.Event()
         self.submitted, self.finished = time.time(), None
 
@@ -275,7 +287,8 @@ class ScoreJob:
 class RewardScorer:
     """Accuracy and format rewards for a task: the toy task by exact match in this process, math answers by
     math-verify and reasoning-gym answers by their dataset's score_answer in `num_workers` persistent worker
-    processes.
+    processes (pebble's ProcessPool: a check running past `timeout` seconds has its worker killed and replaced, a
+    worker that dies costs only the answer it was checking).
 
         job = scorer.submit(completions, golds)   # returns at once: extraction here, checks in the workers
         ...                                        # the trainer's log-prob passes run meanwhile
@@ -290,24 +303,22 @@ class RewardScorer:
         self.compare_numbers = compare_numbers and not self.rg_task  # settle plain numbers here (False: every check
         # goes to the workers)
         self.extract = extract_answer_tag if self.exact else EXTRACTORS[answer_format]
-        self.answer_format, self.timeout, self.memory_bytes = answer_format, timeout, memory_mb * 2**20
-        self.queue, self.jobs, self.lock, self.next_id = collections.deque(), {}, threading.Lock(), 0
-        self.workers, self.failure = [], None
+        self.answer_format, self.timeout = answer_format, timeout
+        self.lock, self.failure, self.pool = threading.Lock(), None, None
         if self.exact:
             return
-        self.context = multiprocessing.get_context("forkserver")  # workers fork from a fresh server, not from us
-        self.context.set_forkserver_preload(["__main__", "utils.rewards", "math_verify"] +
-                                            (["reasoning_gym"] if self.rg_task else []))
-        self.wake_receiver, self.wake_sender = self.context.Pipe(duplex=False)
-        self.workers = [self._start_worker() for _ in range(max(1, num_workers))]
-        self.closed = False
-        self.thread = threading.Thread(target=self._dispatch, daemon=True, name="reward-scorer")
-        self.thread.start()
+        from pebble import ProcessPool
+
+        context = multiprocessing.get_context("forkserver")  # workers fork from a fresh server, not from us
+        context.set_forkserver_preload(["utils.rewards", "math_verify"] + (["reasoning_gym"] if self.rg_task else []))
+        self.pool = ProcessPool(max(1, num_workers), initializer=_start_worker, context=context,
+                                initargs=(memory_mb * 2**20, self.rg_task))
+        self.pool.schedule(os.getpid)  # the workers start now and warm up while the caller loads its models
 
     def submit(self, completions, golds):
         job = ScoreJob(completions, self.answer_format)
         answers = [self.extract(c) for c in completions]
-        groups = collections.defaultdict(dict)  # gold -> {distinct answer: [completion indices]}
+        checks = collections.defaultdict(list)  # (gold key, distinct answer) -> the completions that gave it
         entries = {}  # for a reasoning-gym task: gold key -> the entry its verifier reads
         for i, (answer, row) in enumerate(zip(answers, golds)):
             gold = row if isinstance(row, str) else row["answer"]
@@ -328,22 +339,16 @@ class RewardScorer:
             elif self.rg_task:
                 key = id(row["entry"])  # the same row object for every completion of its group
                 entries[key] = row["entry"]
-                groups[key].setdefault(answer, []).append(i)
+                checks[(key, answer)].append(i)
             else:
-                groups[gold].setdefault(answer, []).append(i)
-        with self.lock:
-            for gold, by_answer in groups.items():
-                task_id, self.next_id = self.next_id, self.next_id + 1
-                self.jobs[task_id] = job
-                for j, indices in enumerate(by_answer.values()):
-                    job.targets[(task_id, j)] = indices
-                job.pending += len(by_answer)
-                self.queue.append((task_id, entries.get(gold, gold), list(by_answer)))
-        if job.pending == 0 or self.failure:
+                checks[(gold, answer)].append(i)
+        job.pending = len(checks)  # set before the first check can finish
+        if job.pending == 0:
             job.finished = time.time()
             job.done.set()
-        else:
-            self.wake_sender.send(None)
+        for (gold, answer), indices in checks.items():
+            future = self.pool.schedule(_check, (entries.get(gold, gold), answer), timeout=self.timeout)
+            future.add_done_callback(functools.partial(self._record, job, indices))
         return job
 
     def result(self, job):
@@ -359,14 +364,10 @@ class RewardScorer:
         return job.accuracy, formats, job.counts
 
     def close(self):
-        if self.exact or self.closed:
-            return
-        self.closed = True
-        self.wake_sender.send(None)
-        self.thread.join(timeout=5)
-        for worker in self.workers:
-            worker["process"].kill()
-            worker["process"].join()
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool.join()
+            self.pool = None
 
     def __enter__(self):
         return self
@@ -374,98 +375,31 @@ class RewardScorer:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the scorer's thread --
+    def _record(self, job, indices, future):
+        """A finished check (in the pool's thread): its answer's accuracy, readability and failure count."""
+        from pebble import ProcessExpired
 
-    def _start_worker(self):
-        receiver, sender = self.context.Pipe()
-        process = self.context.Process(target=_worker, args=(sender, self.memory_bytes, self.rg_task), daemon=True)
-        process.start()
-        sender.close()
-        return {"process": process, "conn": receiver, "ready": False, "task": None, "item": 0, "started": 0.0}
-
-    def _record(self, task_id, j, status, value):
-        job = self.jobs[task_id]
-        for i in job.targets[(task_id, j)]:
-            job.accuracy[i] = value
-            if not self.rg_task:  # math-verify parsed the answer (reasoning-gym answers were judged at submit)
-                job.readable[i] = status == "ok"
-        if status != "ok":
-            job.counts[status] += len(job.targets[(task_id, j)])
-        job.pending -= 1
-        if job.pending == 0:
-            with self.lock:  # forget the finished job's tasks (a long run would keep every job alive otherwise)
-                for key in [k for k, v in self.jobs.items() if v is job]:
-                    del self.jobs[key]
-            job.finished = time.time()
-            job.done.set()
-
-    def _replace(self, worker, status):
-        """Kill a stuck (or dead) worker: its current answer gets `status`, the rest of its task goes back in line."""
-        worker["process"].kill()
-        worker["process"].join()
-        self.workers[self.workers.index(worker)] = self._start_worker()
-        task_id, gold, answers = worker["task"]
-        rest = [(task_id, j) for j in range(worker["item"] + 1, len(answers))]
-        if rest:  # the remaining answers keep their (task id, index) keys through a renumbered sub-task
-            with self.lock:
-                sub_id, self.next_id = self.next_id, self.next_id + 1
-                job = self.jobs[sub_id] = self.jobs[task_id]
-                for k, key in enumerate(rest):
-                    job.targets[(sub_id, k)] = job.targets[key]
-                self.queue.appendleft((sub_id, gold, answers[worker["item"] + 1:]))
-        self._record(task_id, worker["item"], status, 0.0)  # last: it may complete the job
-
-    def _fail(self, reason):
-        """Stop scoring: every job waiting now or later raises `reason` in result()."""
-        self.failure = reason
+        try:
+            status, value = future.result()
+        except TimeoutError:  # past the hard limit: pebble killed and replaced the worker
+            status, value = "timeouts", 0.0
+        except ProcessExpired:  # the worker died (the memory limit, most often)
+            status, value = "memory", 0.0
+        except Exception:  # noqa: BLE001 - the pool's own failure costs the answer, never the run
+            status, value = "errors", 0.0
         with self.lock:
-            for job in set(self.jobs.values()):
+            if status == "startup":
+                self.failure, status, value = f"a reward worker failed to start ({value})", "errors", 0.0
+            for i in indices:
+                job.accuracy[i] = value
+                if not self.rg_task:  # math-verify parsed the answer (reasoning-gym answers were judged at submit)
+                    job.readable[i] = status == "ok"
+            if status != "ok":
+                job.counts[status] += len(indices)
+            job.pending -= 1
+            if job.pending == 0:
+                job.finished = time.time()
                 job.done.set()
-
-    def _dispatch(self):
-        while not self.closed:
-            for worker in self.workers:  # idle, warmed-up workers take the next task
-                if worker["ready"] and worker["task"] is None and self.queue:
-                    with self.lock:
-                        worker["task"] = self.queue.popleft()
-                    worker["item"], worker["started"] = 0, time.monotonic()
-                    try:
-                        worker["conn"].send(worker["task"])
-                    except OSError:  # it died while idle: its first answer is charged to the memory limit
-                        self._replace(worker, "memory")
-            busy = [w for w in self.workers if w["task"] is not None]
-            deadline = min((w["started"] + self.timeout for w in busy), default=time.monotonic() + 1.0)
-            ready = wait([self.wake_receiver] + [w["conn"] for w in self.workers],
-                         timeout=max(0.0, deadline - time.monotonic()))
-            for conn in ready:
-                if conn is self.wake_receiver:
-                    conn.recv()
-                    continue
-                worker = next((w for w in self.workers if w["conn"] is conn), None)
-                if worker is None:  # replaced earlier in this round
-                    continue
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):  # the worker died (the memory limit, most often)
-                    if not worker["ready"]:  # it never started: respawning would fail the same way
-                        self._fail(f"a reward worker exited during start-up (code {worker['process'].exitcode})")
-                        return
-                    if worker["task"] is not None:
-                        self._replace(worker, "memory")
-                    else:
-                        self.workers[self.workers.index(worker)] = self._start_worker()
-                    continue
-                if message == "ready":
-                    worker["ready"] = True
-                    continue
-                self._record(*message)
-                worker["item"], worker["started"] = worker["item"] + 1, time.monotonic()
-                if worker["item"] == len(worker["task"][2]):
-                    worker["task"] = None
-            now = time.monotonic()
-            for worker in list(self.workers):
-                if worker["task"] is not None and now - worker["started"] > self.timeout:
-                    self._replace(worker, "timeouts")
 
 
 def default_reward_workers():
