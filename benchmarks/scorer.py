@@ -1,43 +1,27 @@
-"""Reward scorer speed: the persistent warm RewardScorer against the previous scorer (one forked worker per call, the
-gold re-parsed for every completion), measured in one run on the same completions.
+"""Reward scorer speed: the persistent warm RewardScorer against math-verify called inline, one completion at a time
+in the calling process (what a reward function usually does), measured in one run on the same completions.
 
     python benchmarks/scorer.py [--repeats 3] [--out benchmarks/results/scorer.md]
 
 512 GSM8K-like completions (~600 characters of worked steps ending in \\boxed{N}; groups of 8 per gold; correct,
 reformatted, wrong and missing answers) and 512 MATH-like ones (fractions, roots, tuples, polynomials, intervals).
-Each path scores them as one call of 512 and as 16 calls of 32; the new scorer with K = 1 and 2 workers, cold (start
+Each path scores them as one call of 512 and as 16 calls of 32; RewardScorer with K = 1 and 2 workers, cold (start
 included) and warm; and a batch with 4 pathological completions (power towers) mixed in. Warm times are medians over
---repeats. The previous scorer is loaded from git history (OLD_COMMIT), so both run in this process.
+--repeats. Inline is unbounded but for math-verify's own 2 s alarm (main thread only) and holds the trainer while it
+runs; the scorer's workers overlap the trainer's passes, kill a stuck check and cap memory.
 """
 
 import argparse
-import importlib.util
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from utils.rewards import RewardScorer  # noqa: E402
+from utils.rewards import RewardScorer, extract_boxed, math_equal  # noqa: E402
 
-OLD_COMMIT = "9bebb08"  # the last commit with the fork-per-call scorer
 TOWER = "\\boxed{" + "9^{" * 6 + "TOP" + "}" * 6 + "}"  # a power tower; TOP differs each time (no dedup)
-
-
-def load_old_scorer():
-    source = subprocess.run(["git", "show", f"{OLD_COMMIT}:utils/rewards.py"], capture_output=True, text=True,
-                            check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
-    path = os.path.join(tempfile.mkdtemp(), "old_rewards.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("old_rewards", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_rewards"] = module  # its worker pickles functions by module name
-    spec.loader.exec_module(module)
-    return module
 
 
 def reasoning(rng, chars=560):
@@ -97,10 +81,9 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
-def old_calls(old, texts, golds, task, calls):
-    size = len(texts) // calls
-    return [a for k in range(0, len(texts), size)
-            for a in old.score_completions(texts[k:k + size], golds[k:k + size], task, "boxed", 5.0)[0]]
+def inline_calls(texts, golds):
+    """math-verify in this process, one completion at a time (as many calls as completions: no per-call cost)."""
+    return [float(math_equal(gold, extract_boxed(text))) for text, gold in zip(texts, golds)]
 
 
 def new_calls(scorer, texts, golds, calls):
@@ -125,7 +108,6 @@ def main():
     spots = [50, 180, 300, 470]
     pathological = ([TOWER.replace("TOP", str(i)) if i in spots else t for i, t in enumerate(texts)],
                     [str(i) if i in spots else g for i, g in enumerate(golds)])
-    old = load_old_scorer()
     rows, accuracy = [], {}
 
     def median(fn):
@@ -133,10 +115,9 @@ def main():
         return statistics.median(times), out[0]
 
     for name, (texts, golds) in sets.items():
-        t1, accuracy[("old", name)] = median(lambda: old_calls(old, texts, golds, name, 1))
-        t16, _ = median(lambda: old_calls(old, texts, golds, name, 16))
+        t1, accuracy[("inline", name)] = median(lambda: inline_calls(texts, golds))
         base = t1
-        rows.append((f"previous (fork per call), {name}", "-", t1, t16, base))
+        rows.append((f"inline math-verify, {name}", "-", t1, t1, base))
         for k in (1, 2):
             cold, _ = timed(lambda: cold_run(name, k, texts, golds))
             with RewardScorer(name, "boxed", k) as scorer:
@@ -150,7 +131,7 @@ def main():
                     t1, accuracy[(k, "gsm8k, math-verify only")] = median(lambda: new_calls(scorer, texts, golds, 1))
                     t16, _ = median(lambda: new_calls(scorer, texts, golds, 16))
                 rows.append((f"RewardScorer K={k}, {name}, math-verify only", "-", t1, t16, base))
-    bad_old, _ = timed(lambda: old_calls(old, *pathological, "gsm8k", 1))
+    bad_inline, _ = timed(lambda: inline_calls(*pathological))
     bad_new = {}
     for k in (1, 2):
         with RewardScorer("gsm8k", "boxed", k) as scorer:
@@ -158,17 +139,17 @@ def main():
             bad_new[k], _ = timed(lambda: new_calls(scorer, *pathological, 1))
     lines = [f"# Reward scorer ({os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f} at the end; "
              f"median of {args.repeats})", "",
-             "| path | cold: start + 512 (s) | one call of 512 (s) | 16 calls of 32 (s) | one call vs previous, same set |",
+             "| path | cold: start + 512 (s) | one call of 512 (s) | 16 calls of 32 (s) | one call vs inline, same set |",
              "|---|---|---|---|---|"]
     for label, cold, t1, t16, base in rows:
         lines.append(f"| {label} | {cold} | {t1:.3f} | {t16:.3f} | {t1 / base:.2f}x |")
     lines += ["", "Cold: scorer start (K=1's includes starting the fork server, once per process) and the first call.",
-              f"512 GSM8K-like with 4 different power towers (one call): previous {bad_old:.2f} s, "
+              f"512 GSM8K-like with 4 different power towers (one call): inline {bad_inline:.2f} s, "
               + ", ".join(f"K={k} {t:.2f} s" for k, t in bad_new.items()), ""]
     for name in sets:
-        same = accuracy[("old", name)] == accuracy[(1, name)] == accuracy[(2, name)] == accuracy.get(
+        same = accuracy[("inline", name)] == accuracy[(1, name)] == accuracy[(2, name)] == accuracy.get(
             (1, f"{name}, math-verify only"), accuracy[(1, name)])
-        lines.append(f"- {name}: mean accuracy previous {statistics.mean(accuracy[('old', name)]):.3f}, new "
+        lines.append(f"- {name}: mean accuracy inline {statistics.mean(accuracy[('inline', name)]):.3f}, scorer "
                      f"{statistics.mean(accuracy[(1, name)]):.3f} (identical per completion: {same})")
     report = "\n".join(lines) + "\n"
     print(report)
