@@ -17,7 +17,7 @@ from tests.test_grpo_loss import random_batch
 
 
 def reference_aspo_loss(logp, old_logp, adv, mask, eps_low, eps_high, c):
-    """Token by token, the rule of the paper (token-mean, loss = -J): with r = pi/pi_old,
+    """Token by token, the paper's rule as its authors' code computes it (token-mean, loss = -J): r = pi/pi_old,
     A >= 0: r_hat = min(r, 1 + eps_high), term -A * r_hat / sg(r_hat)^2 (value -A / r_hat, gradient -A / r);
     A < 0: r_hat = max(r, 1 - eps_low), term -A * r_hat (PPO's clipped surrogate);
     and where the weight (1 / r_hat for A >= 0, r_hat for A < 0) exceeds c, the term is -c * A * log pi instead."""
