@@ -27,3 +27,12 @@ def test_a_flat_run_has_its_asymptote_at_its_start():
     compute = np.arange(1, 101, dtype=float)
     fit = fit_sigmoid(compute, np.full(100, 0.3), 0.3)
     assert fit["A"] == pytest.approx(0.3, abs=1e-9) and fit["rmse"] < 1e-9
+
+
+def test_the_asymptote_stays_below_the_most_reward_there_is():
+    """A run still rising at its end: unbounded, its asymptote runs off past any reachable reward; bounded, it stops at
+    the bound."""
+    compute = np.arange(1, 101, dtype=float)
+    reward = 0.2 + 0.008 * compute  # a straight line: no bend, no asymptote in the data
+    assert fit_sigmoid(compute, reward, 0.2)["A"] > 1.1
+    assert fit_sigmoid(compute, reward, 0.2, a_max=1.1)["A"] == pytest.approx(1.1)
