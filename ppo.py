@@ -604,8 +604,7 @@ def main(args):
         beta_used = kl_controller.beta
         kl_controller.update(kl_per_sequence, len(mask) * world)
         # 5. Log, evaluate, checkpoint.
-        add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
-        num_tokens = accelerator.reduce(mask.sum(), reduction="sum")
+        num_tokens = add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
         train_stats["sums"].update({
             "critic/return_mean": (batch["returns"] * mask).sum() / num_tokens,
             "critic/advantage_mean": (advantages * mask).sum() / num_tokens,  # before whitening

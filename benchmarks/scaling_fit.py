@@ -52,9 +52,9 @@ def fit_sigmoid(compute, reward, r0, a_max=None, grid=160):
                 best = (sse, r0 + gain, b, c_mid)
     sse, a, b, c_mid = best
     params = np.array([a, b, c_mid])
-    jacobian = np.stack([(sigmoid(compute, r0, *(params + step)) - sigmoid(compute, r0, *(params - step))) / (2 * h)
-                         for h, step in ((h, np.eye(3)[k] * h) for k, h in
-                                         enumerate([1e-6, 1e-6 * b, 1e-6 * c_mid]))], axis=1)
+    steps = np.diag([1e-6, 1e-6 * b, 1e-6 * c_mid])  # central differences, one parameter at a time
+    jacobian = np.stack([(sigmoid(compute, r0, *(params + d)) - sigmoid(compute, r0, *(params - d))) / (2 * d.sum())
+                         for d in steps], axis=1)
     dof = max(1, len(y) - 3)
     try:
         errors = np.sqrt(np.diag(sse / dof * np.linalg.inv(jacobian.T @ jacobian)))
@@ -82,11 +82,12 @@ def main():
         fit = fit_sigmoid(compute, reward, r0, args.max_reward)
         fits[run.split("__")[0]].append((run, r0, fit))
         curves[run] = (compute, reward, r0, fit)
-    lines = [f"# {args.name}", "", f"Command: `python benchmarks/scaling_fit.py {args.runs} --name {args.name} --max_reward {args.max_reward:g}`. "
-             "Fit of R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) (arXiv 2510.13786, eq. 1) to each run's per-step "
-             "reward against its training seconds C; R0 = the mean reward of its first 5 steps; R0 <= A <= "
-             f"{args.max_reward:g}; ± one standard error (linearized).", "", "| script | runs | A (median, range) | B (median, range) | C_mid s (median) | "
-             "RMSE (median) |", "|---|---|---|---|---|---|"]
+    lines = [f"# {args.name}", "", f"Command: `python benchmarks/scaling_fit.py {args.runs} --name {args.name} "
+             f"--max_reward {args.max_reward:g}`. Fit of R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) (arXiv "
+             "2510.13786, eq. 1) to each run's per-step reward against its training seconds C; R0 = the mean reward "
+             f"of its first 5 steps; R0 <= A <= {args.max_reward:g}; ± one standard error (linearized).", "",
+             "| script | runs | A (median, range) | B (median, range) | C_mid s (median) | RMSE (median) |",
+             "|---|---|---|---|---|---|"]
     for script, runs in sorted(fits.items()):
         a, b = [f["A"] for _, _, f in runs], [f["B"] for _, _, f in runs]
         lines.append(f"| {script} | {len(runs)} | {np.median(a):.3f} ({min(a):.3f}-{max(a):.3f}) | {np.median(b):.2f} "

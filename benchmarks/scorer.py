@@ -139,7 +139,8 @@ def main():
             bad_new[k], _ = timed(lambda: new_calls(scorer, *pathological, 1))
     lines = [f"# Reward scorer ({os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f} at the end; "
              f"median of {args.repeats})", "",
-             "| path | cold: start + 512 (s) | one call of 512 (s) | 16 calls of 32 (s) | one call vs inline, same set |",
+             "| path | cold: start + 512 (s) | one call of 512 (s) | 16 calls of 32 (s) | one call vs inline, same set "
+             "|",
              "|---|---|---|---|---|"]
     for label, cold, t1, t16, base in rows:
         lines.append(f"| {label} | {cold} | {t1:.3f} | {t16:.3f} | {t1 / base:.2f}x |")

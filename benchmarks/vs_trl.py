@@ -105,13 +105,19 @@ def trl_side(seed, steps, out_dir, flags):
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
         rows += [{"prompt": train_rows[i]["prompt"], "row": int(i)} for i in picks]  # the row: gold (and a
         # reasoning-gym task's entry for its verifier) as grpo.py's scorer reads it
-    scorer = RewardScorer(args.task, args.answer_format)
+    scorer, last = RewardScorer(args.task, args.answer_format), {}
+
+    def scored(completions, row):  # TRL calls both reward functions on the same completions: score them once
+        if last.get("key") != (completions, row):
+            last.update(key=(list(completions), list(row)),
+                        value=scorer.result(scorer.submit(completions, [train_rows[i] for i in row])))
+        return last["value"]
 
     def accuracy(completions, row, **kwargs):
-        return scorer.result(scorer.submit(completions, [train_rows[i] for i in row]))[0]
+        return scored(completions, row)[0]
 
     def answer_format(completions, row, **kwargs):
-        return scorer.result(scorer.submit(completions, [train_rows[i] for i in row]))[1]
+        return scored(completions, row)[1]
 
     run_dir = os.path.join(out_dir, f"trl__{seed}")
     os.makedirs(run_dir, exist_ok=True)

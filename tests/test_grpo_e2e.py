@@ -1,7 +1,6 @@
 """grpo.py end to end on the embedded model: 1 and 2 processes, resume, eval-only, a local MATH-shaped file, bad input,
 the --help text, and the learning check (the reward rises)."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -32,11 +31,8 @@ def test_micro_batch_size_default_divides_the_mini_batch():
     assert resolved(grpo, micro_batch_size=2).micro_batch_size == 2
 
 
-def test_help_documents_every_argument():
+def test_help_shows_each_fields_docstring():  # every field's flag is checked in every script: test_shared_blocks
     out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    for field in dataclasses.fields(grpo.Args):
-        flag = "--" + field.name.replace("_", "-")
-        assert flag in out or "--" + field.name in out, field.name
     helps = [line for line in out.splitlines() if line.strip().startswith("--")]
     assert all(len(line.split()) > 1 for line in helps)
     assert "pi/pi_old * k3" in out and "Dr. GRPO" in out  # the field docstrings became the help text

@@ -3,9 +3,15 @@ not depend on the algorithm must be the same text in every script, so a fix to a
 or in none; so must every Args field outside the algorithm's own group (its default and its doc). What may differ is
 listed here, with the scripts where it may. The scripts are the repository root's .py files with block headers."""
 
+import dataclasses
 import glob
+import importlib
 import os
 import re
+import subprocess
+import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER = re.compile(r"^# ---- (.+?) -+$", re.MULTILINE)
@@ -97,3 +103,12 @@ def test_a_one_line_change_is_caught():
     engine = "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop"
     assert differences(texts, ALGORITHM_SPECIFIC) == [(engine, ["copy_b.py"])]
     assert differences(texts, {**ALGORITHM_SPECIFIC, engine: ("copy_b.py",)}) == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_documents_every_argument(script):
+    """Every Args field of every algorithm script is a flag of its --help."""
+    module = importlib.import_module(script[:-3])
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for field in dataclasses.fields(module.Args):
+        assert "--" + field.name.replace("_", "-") in out or "--" + field.name in out, (script, field.name)
