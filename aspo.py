@@ -40,8 +40,8 @@ from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advantages, engine_is_weights,
                       entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted, make_batch,
                       micro_batches, pass_at_k, slice_batch)
-from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
-                        resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
+from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
+                        quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
 
 

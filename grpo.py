@@ -30,11 +30,11 @@ from utils.checks import check_lengths, resolve_args
 from utils.hf_engine import Sample, hf_generate
 from utils.models import load_tokenizer
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advantages, engine_is_weights,
-                      entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted, make_batch,
-                      micro_batches, pass_at_k, slice_batch)
-from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
-                        resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
+from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, covariance_tokens, decoupled_group_advantages,
+                      engine_is_weights, entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3,
+                      kl_k3_importance_weighted, make_batch, micro_batches, pass_at_k, slice_batch)
+from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
+                        quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
 
 
@@ -110,9 +110,19 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     mismatch"""
     tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
     """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
+    clip_cov_frac: float = 0.0
+    """Clip-Cov (arXiv 2505.22617): no policy gradient through this fraction of tokens, drawn among the unclipped
+    ones whose covariance of log-prob and advantage is in (1, 5) (the paper: 2e-4; 0: off)"""
+    kl_cov_frac: float = 0.0
+    """KL-Cov (arXiv 2505.22617): no ratio clip, and |log pi - log pi_old| added on this fraction of tokens, those of
+    highest covariance (the paper's 7B runs: 2e-3; 0: off)"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+CLIP_COV_BOUNDS = (1.0, 5.0)  # Clip-Cov draws among the tokens whose covariance lies in these (the paper's omegas)
+KL_COV_COEF = 1.0  # KL-Cov's coefficient of |log pi - log pi_old|: the paper's
 
 
 def check_algorithm_args(args, num_processes=1):
@@ -129,6 +139,8 @@ def check_algorithm_args(args, num_processes=1):
     if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
         raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
                          "--scale_rewards group and without --kl_in_reward")
+    if not (0 <= args.clip_cov_frac < 1 and 0 <= args.kl_cov_frac < 1) or (args.clip_cov_frac and args.kl_cov_frac):
+        raise ValueError("--clip_cov_frac and --kl_cov_frac are fractions in [0, 1), and only one of them may be on")
     if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
         raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use "
                          "k2/k3+/k3_is")
@@ -152,13 +164,13 @@ def loss_settings(args):
     """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
     settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
                 "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
-                "max_len": args.max_new_tokens}
+                "max_len": args.max_new_tokens, "clip_cov_frac": args.clip_cov_frac, "kl_cov_frac": args.kl_cov_frac}
     return settings
 
 
 def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
                  clip_eps_high=0.2, beta=0.0, kl_estimator="k3", loss_agg="seq-mean-token-mean", num_seqs=None,
-                 num_tokens=None, max_len=None):
+                 num_tokens=None, max_len=None, clip_cov_frac=0.0, kl_cov_frac=0.0):
     """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
 
     logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
@@ -173,6 +185,13 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     adv = advantages.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if clip_cov_frac > 0:  # Clip-Cov: a few high-covariance tokens (those driving entropy down) give no gradient
+        unclipped = ratio * adv <= clipped * adv  # a clipped token has no gradient already
+        selected = covariance_tokens(logp, advantages, mask, clip_cov_frac, CLIP_COV_BOUNDS, unclipped)
+        per_token = per_token * ~selected
+    if kl_cov_frac > 0:  # KL-Cov: the unclipped surrogate, held near pi_old on the highest-covariance tokens only
+        selected = covariance_tokens(logp, advantages, mask, kl_cov_frac)
+        per_token = -ratio * adv + KL_COV_COEF * log_ratio.abs() * selected
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta > 0:
@@ -186,6 +205,8 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
                  "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
         if beta > 0:
             means["losses/kl"] = kl[m].sum() / num_tokens
+        if clip_cov_frac > 0 or kl_cov_frac > 0:
+            means["policy/cov_selected_frac"] = selected[m].float().sum() / num_tokens
         maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
     return loss, means, maxes
 

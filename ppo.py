@@ -31,8 +31,8 @@ from utils.models import load_tokenizer
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import (aggregate_loss, engine_is_weights, explained_variance, kl_k1, make_batch, masked_whiten,
                       micro_batches, pass_at_k, slice_batch, token_rewards)
-from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
-                        resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
+from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
+                        quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, load_splits
 
 

@@ -1,6 +1,6 @@
 """The reading-list switches of grpo.py (and of the scripts sharing its blocks): GDPO's decoupled reward normalization
-(arXiv 2601.05242, against hand values) and training on high-entropy tokens only (arXiv 2506.01939), whose threshold
-is the whole mini-batch's, whatever the micro-batch size."""
+(arXiv 2601.05242, against hand values), training on high-entropy tokens only (arXiv 2506.01939), whose threshold
+is the whole mini-batch's, whatever the micro-batch size, and grpo.py's Clip-Cov and KL-Cov (arXiv 2505.22617)."""
 
 import copy
 
@@ -11,7 +11,8 @@ import torch
 import grpo
 from tests.helpers import SMALL, resolved, run_grpo
 from tests.test_engine import rollout, setup
-from utils.rl import decoupled_group_advantages, entropy_threshold, group_advantages, linear_quantile
+from utils.rl import (covariance_tokens, decoupled_group_advantages, entropy_threshold, group_advantages,
+                      linear_quantile)
 
 PARTS = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])  # 2 prompts x G = 2, (accuracy, format)
 
@@ -116,6 +117,85 @@ def test_the_kl_term_keeps_every_token():
     (kl_grad,) = torch.autograd.grad(0.1 * grpo.kl_term(logp, ref, old, "k3").sum() / 2, logp)
     assert grad[0, 1].item() == pytest.approx(kl_grad[0, 1].item()) and grad[0, 1] != 0
     assert grad[0, 0].item() == pytest.approx(kl_grad[0, 0].item() - 1 / 2)  # -A / num_tokens from the surrogate
+
+
+# Clip-Cov / KL-Cov: 5 valid tokens; Cov_t = (log pi_t - mean log pi)(A_t - mean A), mean log pi = -1.16, mean A = 0.8
+COV_LOGP = torch.tensor([[-0.1, -2.0, -0.5], [-3.0, -0.2, -1.0]])
+COV_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+COV_ADV = torch.tensor([2.0, -1.0])
+COV = [[1.272, -1.008, 0.792], [3.312, -1.728]]  # by hand; the two positive ones in (1, 5) both lower the entropy:
+# a likely token with a positive advantage (0, 0), an unlikely one with a negative advantage (1, 0)
+
+
+def positions(selected):
+    return [tuple(ij) for ij in selected.nonzero().tolist()]
+
+
+def test_covariance_tokens_hand_values():
+    # KL-Cov: the k = int(frac * 5) tokens of highest covariance (at least one)
+    assert positions(covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.4)) == [(0, 0), (1, 0)]
+    assert positions(covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.01)) == [(1, 0)]
+    # Clip-Cov: drawn among the tokens with covariance in (1, 5); all of them when k covers them
+    assert positions(covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.4, (1.0, 5.0))) == [(0, 0), (1, 0)]
+    drawn = {positions(covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.2, (1.0, 5.0)))[0] for _ in range(40)}
+    assert drawn == {(0, 0), (1, 0)}  # one of the two, uniformly (both seen in 40 draws: fails with p = 2^-39)
+    assert positions(covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.4, (1.0, 3.0))) == [(0, 0)]
+    eligible = torch.ones(2, 3).index_put_((torch.tensor(1), torch.tensor(0)), torch.tensor(0.0))
+    assert positions(covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.4, (1.0, 5.0), eligible)) == [(0, 0)]
+    masked_out = COV_LOGP.clone()
+    masked_out[1, 2] = 50.0  # a padding position never counts, whatever its value
+    assert positions(covariance_tokens(masked_out, COV_ADV, COV_MASK, 0.4)) == [(0, 0), (1, 0)]
+
+
+def cov_grad(logp0, old, **settings):
+    logp = logp0.clone().requires_grad_(True)
+    loss, means, _ = grpo.compute_loss(logp, old, COV_ADV, COV_MASK, loss_agg="token-mean", **settings)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss, means, grad
+
+
+def test_clip_cov_drops_the_gradient_of_its_tokens_only():
+    _, _, plain = cov_grad(COV_LOGP, COV_LOGP)  # on-policy: ratio 1, nothing clipped
+    assert plain[0].tolist() == pytest.approx([-2 / 5] * 3) and plain[1, :2].tolist() == pytest.approx([1 / 5] * 2)
+    loss, means, grad = cov_grad(COV_LOGP, COV_LOGP, clip_cov_frac=0.4)
+    expected = plain.clone()
+    expected[0, 0] = expected[1, 0] = 0.0
+    torch.testing.assert_close(grad, expected)
+    assert loss.item() == pytest.approx((-2 * 2 + 1) / 5)  # -(sum of the 3 kept A r) / 5 tokens
+    assert means["policy/cov_selected_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_kl_cov_no_clip_and_a_penalty_that_acts_off_policy_only():
+    # on-policy: |log pi - log pi_old| has gradient 0 at 0, so KL-Cov is the plain policy gradient
+    _, _, plain = cov_grad(COV_LOGP, COV_LOGP)
+    _, _, grad = cov_grad(COV_LOGP, COV_LOGP, kl_cov_frac=0.4)
+    torch.testing.assert_close(grad, plain)
+    # off-policy: every token has ratio 1.5 (A > 0: GRPO clips row 0 at 1.2, no gradient)
+    old = COV_LOGP - torch.log(torch.tensor(1.5))
+    _, _, clipped = cov_grad(COV_LOGP, old)
+    assert clipped[0].tolist() == [0.0] * 3
+    _, means, grad = cov_grad(COV_LOGP, old, kl_cov_frac=0.4)
+    selected = covariance_tokens(COV_LOGP, COV_ADV, COV_MASK, 0.4)  # the same ranking: old differs by a constant
+    adv = COV_ADV.unsqueeze(-1).expand(2, 3)
+    expected = (-adv * 1.5 + grpo.KL_COV_COEF * selected.float()) / 5 * COV_MASK  # d|log r|/d log pi = sign = +1
+    torch.testing.assert_close(grad, expected)
+    assert means["policy/cov_selected_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_cov_arguments():
+    assert resolved(grpo, clip_cov_frac=2e-4).clip_cov_frac == 2e-4
+    for bad in ({"clip_cov_frac": 2e-4, "kl_cov_frac": 2e-3}, {"kl_cov_frac": 1.0}, {"clip_cov_frac": -0.1}):
+        with pytest.raises(ValueError, match="--clip_cov_frac and --kl_cov_frac are fractions"):
+            resolved(grpo, **bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("switch", ["--clip_cov_frac", "--kl_cov_frac"])
+def test_cov_switches_end_to_end(tmp_path, switch):
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", switch, "0.01", "--num_minibatches", "2", *SMALL],
+                       tmp_path)
+    for r in rows:
+        assert 0 < r["policy/cov_selected_frac"] < 0.2
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def blocks(text):
 
 def args_fields(text):
     """{group: {field: its line and doc}} of a script's Args, grouped under their `    # group` comments."""
-    body = text[text.index("class Args"):text.index("\n\n\n", text.index("class Args"))]
+    body = text[text.index("class Args"):text.index("\n\n\n", text.index("class Args")) + 1]  # the last doc's newline
     groups = list(ARGS_GROUP.finditer(body))
     return {m.group(1): {field.group(1): field.group(0) for field in ARGS_FIELD.finditer(
         body, m.end(), groups[k + 1].start() if k + 1 < len(groups) else len(body))} for k, m in enumerate(groups)}

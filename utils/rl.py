@@ -1,6 +1,6 @@
 """Tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation, the
 rollout batch's layout (padding rows, cutting micro-batches), and the pass@k estimator of evaluation. No model and no
-engine here; only micro_batches and the high-entropy threshold read values back to the host.
+engine here; only micro_batches, the high-entropy threshold and the covariance tokens read values back to the host.
 """
 
 import numpy as np
@@ -101,6 +101,29 @@ def linear_quantile(values, q):
     above = torch.kthvalue(values, min(lower + 2, values.numel())).values
     return torch.lerp(below, above, torch.tensor(position - lower, dtype=values.dtype, device=values.device))
 
+
+def covariance_tokens(logp, advantages, mask, frac, bounds=None, eligible=None):
+    """The tokens the entropy-mechanism paper's Clip-Cov and KL-Cov act on (arXiv 2505.22617, §4), by the token-wise
+    covariance of log-prob and advantage, Cov_t = (log pi_t - mean log pi) (A_t - mean A), means over the valid
+    tokens: k = max(1, int(frac * valid tokens)) of them, the k of highest Cov_t (KL-Cov), or with bounds = (low,
+    high) k drawn uniformly among the eligible tokens whose Cov_t lies inside (low, high) (Clip-Cov; fewer when fewer
+    qualify). logp, mask, eligible (default: mask): (B, T); advantages: (B,). Returns a (B, T) bool mask. Like the
+    authors' code (in verl), a call sees one micro-batch: its means and k are the micro-batch's."""
+    valid = mask.bool()
+    logp = logp.detach()
+    adv = advantages.detach().unsqueeze(-1).expand_as(logp)
+    cov = (logp - logp[valid].mean()) * (adv - adv[valid].mean())
+    k = max(1, int(frac * int(valid.sum())))  # one host sync
+    if bounds is None:
+        candidates = valid.nonzero()  # row-major, as cov[valid]
+        chosen = candidates[cov[valid].topk(min(k, len(candidates))).indices]
+    else:
+        inside = valid & (cov > bounds[0]) & (cov < bounds[1])
+        candidates = (inside if eligible is None else inside & eligible.bool()).nonzero()
+        chosen = candidates[torch.randperm(len(candidates), device=cov.device)[:k]]
+    selected = torch.zeros_like(valid)
+    selected[chosen[:, 0], chosen[:, 1]] = True
+    return selected
 
 def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_reduce=None):
     """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
