@@ -51,8 +51,9 @@ def main():
                        for row in out.tolist()))
 
     def decode_loop():
-        return sum(len(ids) for ids, _, _ in hf_generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0,
-                                                              opts.new_tokens, accelerator, stop_ids))
+        samples = hf_generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0, opts.new_tokens, accelerator,
+                              stop_ids)
+        return sum(len(sample.token_ids) for sample in samples)
 
     sides = {"transformers generate()": transformers_generate, "hf_generate": decode_loop}
     times, tokens = {name: [] for name in sides}, {name: [] for name in sides}

@@ -38,6 +38,11 @@ VARIANTS = {  # name: (script, flags)
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
     "gdpo": ("grpo.py", ["--reward_norm", "normalize_then_sum"]),  # accuracy and format normalized separately
     "top_entropy": ("grpo.py", ["--top_entropy_frac", "0.2"]),  # the policy gradient of the top 20 % tokens only
+    # the entropy-mechanism paper's setting: token-mean, 4 mini-batches (KL-Cov's penalty acts off-policy only)
+    "grpo_mu4": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4"]),
+    "clip_cov": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4", "--clip_cov_frac", "2e-4"]),
+    "kl_cov": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4", "--kl_cov_frac", "2e-3"]),
+    "grpo_async": ("grpo_async.py", []),  # partial rollouts: 1.5x groups in flight, staleness <= 1, TIS cap 2
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch

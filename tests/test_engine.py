@@ -64,7 +64,7 @@ def test_left_padding_does_not_change_logprobs():
     _, accelerator, tokenizer, model = setup()
     samples, batch, trainer = rollout(model, tokenizer, accelerator, 1.0)
     prompt = tokenizer(PROMPTS[-1])["input_ids"]  # the short, left-padded prompt
-    ids, _, _ = samples[-1]
+    ids = samples[-1].token_ids
     alone = grpo.make_batch([prompt], [Sample(ids, None, False)], tokenizer.pad_token_id, "cpu")
     single, _ = grpo.batched_logprobs(model, alone, 1.0, micro_batch_size=1)
     assert torch.allclose(single[0, :len(ids)], trainer[-1, :len(ids)], atol=1e-5)
@@ -73,9 +73,9 @@ def test_left_padding_does_not_change_logprobs():
 def test_stop_tokens_and_truncation():
     _, accelerator, tokenizer, model = setup()
     samples, batch, _ = rollout(model, tokenizer, accelerator, 1.0, max_new_tokens=5)
-    assert all(truncated and len(ids) == 5 for ids, _, truncated in samples)  # no answer fits in 5 tokens
+    assert all(s.truncated and len(s.token_ids) == 5 for s in samples)  # no answer fits in 5 tokens
     samples, _, _ = rollout(model, tokenizer, accelerator, 0.0)  # greedy: no sampling log-probs
-    assert all(ids[-1] == tokenizer.eos_token_id and not truncated and lp is None for ids, lp, truncated in samples)
+    assert all(s.token_ids[-1] == tokenizer.eos_token_id and not s.truncated and s.logprobs is None for s in samples)
     assert batch["completion_mask"].sum(-1).tolist() == [5.0] * 16
 
 

@@ -22,7 +22,10 @@ ARGS_FIELD = re.compile(r"^    (\w+): .*\n(?:    \"\"\"(?:[^\"]|\"(?!\"\"))*\"\"
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
     "Policy update": ("ppo.py",),  # the critic's value-loss step beside the policy's, on the same mini-batches
+    "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop": (
+        "grpo_async.py",),  # generate_partial: generation that stops once enough groups are complete
     "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
+                      "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
                       "ppo.py"),  # the critic: its values, per-token rewards, GAE
 }

@@ -13,15 +13,22 @@ class Sample(NamedTuple):
     token_ids: list  # the completion's tokens, its stop token included when it has one
     logprobs: Optional[list]  # the engine's log-prob of each token; None for greedy decoding
     truncated: bool  # it ran out of max_new_tokens before a stop token
+    finished: bool = True  # False: stopped early (hf_generate's groups_needed) and to be continued later
 
 
 @torch.no_grad()
-def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, stop_ids):
+def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, stop_ids,
+                budgets=None, groups=None, groups_needed=None, stats=None):
     """Decode with the policy's forward pass and KV cache: each prompt prefilled once for its n completions, finished
     rows dropped from the batch, so a step costs the completions still running (2.1x faster than transformers'
     generate() on the toy: benchmarks/hf_decode.py). Under FSDP every rank runs every forward pass: a finished rank
     keeps a dummy row. A completion ends at its first token in stop_ids. Returns n * len(prompts) Samples, the n
-    completions of each prompt together."""
+    completions of each prompt together.
+
+    For partial rollouts (grpo_async.py): budgets gives each output row its own token limit (a continued completion
+    has fewer tokens left; default max_new_tokens); with groups (a group id per output row) and groups_needed, decoding
+    stops as soon as that many groups have every row finished, and the other rows come back with the tokens they
+    have and finished=False. A dict `stats` gets "decode_calls", the forward passes run."""
     from transformers import DynamicCache
 
     unwrapped, device, total = accelerator.unwrap_model(model), accelerator.device, len(prompts) * n
@@ -32,8 +39,13 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     synced = accelerator.distributed_type == "FSDP"  # a str enum
     tokens = torch.full((total + 1, max_new_tokens), tokenizer.pad_token_id, device=device)  # row `total`: dummy's
     logprobs = torch.zeros(total + 1, max_new_tokens, device=device)
+    lengths = torch.full((total + 1,), -1, device=device)  # set when a row ends (stop token or budget), else -1
+    budget = torch.tensor([*(budgets or [max_new_tokens] * total), max_new_tokens], device=device)
+    if groups_needed:  # rows still running per group; a group is complete at 0
+        group_of = torch.tensor([*groups, -1], device=device)
+        rows_left = torch.bincount(group_of[:total], minlength=int(group_of.max()) + 1)
     rows = torch.arange(total, device=device)  # the output row of each batch row
-    cache, input_ids = DynamicCache(config=unwrapped.config), inputs["input_ids"]
+    cache, input_ids, t = DynamicCache(config=unwrapped.config), inputs["input_ids"], 0
     with torch.inference_mode(not synced):  # cheaper than no_grad; FSDP2 must not gather weights as inference tensors
         for t in range(max_new_tokens):
             logits = unwrapped(input_ids=input_ids, attention_mask=attention_mask[:, :prompt_width + t],
@@ -46,7 +58,13 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
             token, token_logp = sample_tokens(logits, temperature, top_p) if temperature > 0 else (
                 logits.argmax(-1), torch.zeros(len(logits), device=device))
             tokens[rows, t], logprobs[rows, t] = token, token_logp
-            running = ~torch.isin(token, stop_tensor) & (rows < total)
+            ended = (torch.isin(token, stop_tensor) | (t + 1 >= budget[rows])) & (rows < total)
+            lengths[rows[ended]] = t + 1
+            running = ~ended & (rows < total)
+            if groups_needed:
+                rows_left.index_add_(0, group_of[rows[ended]], -torch.ones_like(rows[ended]))
+                if int((rows_left == 0).sum()) >= groups_needed:  # enough whole groups: the rest waits
+                    running = torch.zeros_like(running)
             num_running = int(running.sum())  # the host sync of the step
             go_on = num_running > 0
             if synced:  # every rank steps until all ranks are done
@@ -59,10 +77,13 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
                 rows = rows[keep] if num_running else rows.new_full((1,), total)
                 token, attention_mask, positions = token[keep], attention_mask[keep], positions[keep]
             input_ids, positions = token[:, None], positions[:, -1:] + 1
-    stops = torch.isin(tokens[:total], stop_tensor)  # a completion ends at its first stop token, or is truncated
-    lengths = torch.where(stops.any(-1), stops.int().argmax(-1) + 1, max_new_tokens)
-    return [Sample(ids[:length], lps[:length] if temperature > 0 else None, ids[length - 1] not in stop_ids)
-            for ids, lps, length in zip(tokens[:total].tolist(), logprobs[:total].tolist(), lengths.tolist())]
+    if stats is not None:
+        stats["decode_calls"] = t + 1
+    finished = lengths[:total] >= 0
+    lengths = torch.where(finished, lengths[:total], t + 1)  # an unfinished row has every step's token
+    return [Sample(ids[:length], lps[:length] if temperature > 0 else None, done and ids[length - 1] not in stop_ids,
+                   done) for ids, lps, length, done in zip(tokens[:total].tolist(), logprobs[:total].tolist(),
+                                                           lengths.tolist(), finished.tolist())]
 
 
 def sample_tokens(logits, temperature, top_p):

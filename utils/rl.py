@@ -234,7 +234,7 @@ def make_batch(prompts, samples, pad_id, device):
     prompt_width = max(len(p) for p in prompts)
     completion_width = max(len(sample.token_ids) for sample in samples)
     rows, attn, cmask, engine_logp = [], [], [], []
-    for prompt, (ids, logprobs, _) in zip(prompts, samples):
+    for prompt, (ids, logprobs) in zip(prompts, ((sample.token_ids, sample.logprobs) for sample in samples)):
         left, right = prompt_width - len(prompt), completion_width - len(ids)
         rows.append([pad_id] * left + prompt + ids + [pad_id] * right)
         attn.append([0] * left + [1] * (len(prompt) + len(ids)) + [0] * right)

@@ -2,6 +2,7 @@
 moment leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so the six
 scripts' times and throughputs compare) and their one-sync-per-step reduction, and the console."""
 
+import glob
 import json
 import logging
 import os
@@ -64,12 +65,18 @@ class RunArgs:
     """continue the run from its checkpoint"""
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
-    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk."""
+def save_checkpoint(accelerator, model, tokenizer, run_dir, step, process_state=None):
+    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk.
+    process_state: this process's own JSON-able state beside the model's (grpo_async.py's carried completions)."""
     final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
+    if process_state is not None:
+        os.makedirs(tmp, exist_ok=True)
+        with open(os.path.join(tmp, f"process_{accelerator.process_index}.json"), "w") as f:
+            json.dump(process_state, f)
+        accelerator.wait_for_everyone()
     accelerator.save_state(tmp)  # model, optimizer, RNG states of every process
     save_model(accelerator, model, tokenizer, os.path.join(tmp, "hf"))
     if accelerator.is_main_process:
@@ -134,6 +141,17 @@ def load_checkpoint(accelerator, checkpoint):
     return step + 1
 
 
+def load_process_state(accelerator, checkpoint):
+    """This process's state saved by save_checkpoint(process_state=...); a checkpoint of another number of processes
+    is a one-line error."""
+    path = os.path.join(checkpoint, f"process_{accelerator.process_index}.json")
+    saved = len(glob.glob(os.path.join(checkpoint, "process_*.json")))
+    if saved != accelerator.num_processes:
+        raise SystemExit(f"error: {checkpoint} holds the state of {saved} process(es); resume it with as many")
+    with open(path) as f:
+        return json.load(f)
+
+
 def open_metrics(accelerator, run_dir, args, start_step):
     """metrics.jsonl (the main process's handle; None elsewhere) without the steps logged after the checkpoint a run
     resumes from, args.json beside it, and the wandb run (--track)."""
@@ -191,13 +209,15 @@ def step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewa
     accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
     the step's time went and peak memory, beside update_policy's statistics (train_stats). seconds: "step" (the
     whole step before evaluation), "rollout" (generating, weight push included), "weight_sync", "score" (waiting on the
-    reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step."""
+    reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step.
+    rollout/tail_frac is the rollout's (tail_fraction), unless train_stats["means"] brings the script's own."""
     lengths = torch.tensor([float(len(sample.token_ids)) for sample in samples])
     seconds = {**seconds, "train": seconds["step"] - seconds["rollout"] - seconds["score"]}
     return reduce_metrics(accelerator, sums={
         **train_stats["sums"], **{f"charts/reward_{kind}": n for kind, n in counts.items() if kind != "no_answer"},
     }, means={
-        **train_stats["means"], "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
+        "rollout/tail_frac": tail_fraction(lengths.tolist()), **train_stats["means"],  # a script may measure its own
+        "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
         "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
         "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
         "charts/no_answer_frac": counts["no_answer"] / len(samples),
@@ -208,6 +228,13 @@ def step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewa
         **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30}
            if torch.cuda.is_available() else {}),
     })
+
+
+def tail_fraction(lengths):
+    """1 - median / max of the tokens each completion generated in a rollout: the share of the longest completion's
+    decode steps that ran with at most half of the completions still generating (the long tail's idle share)."""
+    longest = max(lengths, default=0)
+    return 1.0 - float(np.median(lengths)) / longest if longest else 0.0
 
 
 def add_logprob_gap(train_stats, engine_logp, old_logp, mask, accelerator):

@@ -1,0 +1,700 @@
+"""GRPO with partial rollouts carried across steps: grpo.py's objective with the long tail of completion lengths taken
+off the step (the colocated designs of verl's async rollouts and APRIL, arXiv 2509.18521; AReaL's staleness bound,
+arXiv 2505.24298).
+
+A step asks the engine for more groups than it trains on (--overprovision) and stops generating as soon as
+prompts_per_step groups are complete. The unfinished completions are kept, with each token's engine log-prob and the
+policy version that sampled it, and continued in later steps from prompt + tokens so far under newer weights. A group
+started more than --max_staleness versions ago is dropped. Tokens from older versions are corrected with the decoupled
+objective (Hilton et al., arXiv 2110.00641, eq. 3; AReaL): the clip is taken against pi_old, the trainer's log-probs
+at this step's weights (the proximal policy), and each token is weighted by pi_old / pi_behav, truncated:
+
+  J(theta) = E[ 1/G sum_i 1/|o_i| sum_t { w_it min( r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i ) - beta KL_it } ]
+
+  r_it = pi_theta(o_it | ...) / pi_old(o_it | ...)     pi_old: this step's weights, recomputed by the trainer
+  w_it = min( pi_old(o_it | ...) / pi_behav(o_it | ...), C )   pi_behav: the engine's probability when it sampled the
+                                                       token, under the version it had then (--tis_cap C, --tis_mode)
+  A_i, KL_it as grpo.py (group z-score; k3 in the loss)
+
+--max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested): nothing is carried or over-provisioned. What
+differs from grpo.py: this docstring, the `# asynchronous rollouts` Args, generate_partial (HF engine: its decode loop
+stops once enough groups are complete; vLLM: its request-level API, aborting the rest), and the Training loop's
+rollout, metrics and checkpointed carry-over.
+"""
+
+import contextlib
+import importlib.util
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+from utils.checks import check_lengths, resolve_args
+from utils.hf_engine import Sample, hf_generate
+from utils.models import load_tokenizer
+from utils.rewards import RewardScorer, default_reward_workers
+from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, covariance_tokens, decoupled_group_advantages,
+                      engine_is_weights, entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3,
+                      kl_k3_importance_weighted, make_batch, micro_batches, pass_at_k, slice_batch)
+from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, load_process_state, log_step,
+                        open_metrics, quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics,
+                        tail_fraction, write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, load_splits
+
+
+@dataclass
+class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.py
+    # experiment
+    exp_name: str = "grpo_async"
+    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
+    seed: int = 1
+    """random seed"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
+    task: str = "toy"
+    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
+    train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    instruction: Literal["system", "user"] = "system"
+    """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
+    # rollout
+    temperature: float = 1.0
+    """sampling temperature of rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
+    # optimization
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 1
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a rollout batch"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward pass (gradient accumulation); None: 32 for the embedded model, 16 otherwise"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # GRPO
+    clip_eps_low: float = 0.2
+    """ratio clipped below at 1 - clip_eps_low"""
+    clip_eps_high: float = 0.2
+    """ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28)"""
+    beta: float = 0.04
+    """KL coefficient; 0 loads no reference model"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """advantage = (R - group mean) / std of the group, of the whole batch, or not divided (Dr. GRPO)"""
+    adv_eps: float = 1e-6
+    """added to the std of the advantage normalization"""
+    loss_agg: str = "seq-mean-token-mean"
+    """seq-mean-token-mean (paper), token-mean (DAPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
+    # asynchronous rollouts
+    overprovision: float = 1.5
+    """groups in flight per step as a multiple of prompts_per_step; generation stops once prompts_per_step are whole"""
+    max_staleness: int = 1
+    """drop a group started more than this many policy versions ago (0: nothing carried or over-provisioned: grpo.py's
+    rollout)"""
+    tis_cap: float = 2.0
+    """weight the policy gradient by pi_old / pi_behav (the engine's log-prob when it sampled the token) bounded by
+    this cap (--tis_mode): the older tokens' correction (0: off)"""
+    tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
+    """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
+    # switches from other papers (their defaults leave the algorithm as its paper has it)
+    kl_estimator: Literal["k1", "k2", "k3", "k3+", "k3_is"] = "k3"
+    """k3: the paper (forward-KL gradient); k2, k3+ (k3 value, k2 gradient), k3_is (pi/pi_old * k3): reverse KL"""
+    kl_in_reward: bool = False
+    """subtract beta * sum_t KL from each reward (detached) instead of adding it to the loss; use with k1"""
+    reward_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """advantages of the weighted sum (GRPO), or of each reward z-scored in its group, summed, batch z-scored (GDPO)"""
+    top_entropy_frac: float = 1.0
+    """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
+    clip_cov_frac: float = 0.0
+    """Clip-Cov (arXiv 2505.22617): no policy gradient through this fraction of tokens, drawn among the unclipped
+    ones whose covariance of log-prob and advantage is in (1, 5) (the paper: 2e-4; 0: off)"""
+    kl_cov_frac: float = 0.0
+    """KL-Cov (arXiv 2505.22617): no ratio clip, and |log pi - log pi_old| added on this fraction of tokens, those of
+    highest covariance (the paper's 7B runs: 2e-3; 0: off)"""
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+CLIP_COV_BOUNDS = (1.0, 5.0)  # Clip-Cov draws among the tokens whose covariance lies in these (the paper's omegas)
+KL_COV_COEF = 1.0  # KL-Cov's coefficient of |log pi - log pi_old|: the paper's
+
+
+def check_algorithm_args(args, num_processes=1):
+    """GRPO's own argument checks and the asynchronous rollout's (called by resolve_args)."""
+    if args.num_generations < 2:
+        raise ValueError(f"--num_generations {args.num_generations}: GRPO needs groups of >= 2 completions (a group "
+                         "of one has advantage 0 and learns nothing)")
+    if args.beta < 0:
+        raise ValueError(f"--beta {args.beta}: must be >= 0 (0 turns the KL term off)")
+    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0:
+        raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
+    if args.loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
+        raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
+                         "--scale_rewards group and without --kl_in_reward")
+    if not (0 <= args.clip_cov_frac < 1 and 0 <= args.kl_cov_frac < 1) or (args.clip_cov_frac and args.kl_cov_frac):
+        raise ValueError("--clip_cov_frac and --kl_cov_frac are fractions in [0, 1), and only one of them may be on")
+    if args.overprovision < 1 or args.max_staleness < 0:
+        raise ValueError(f"--overprovision {args.overprovision} must be >= 1 and --max_staleness {args.max_staleness} "
+                         ">= 0")
+    if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
+        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use "
+                         "k2/k3+/k3_is")
+
+
+def compute_advantages(rewards, num_generations, scale, eps):
+    """Scalar rewards of consecutive groups of G completions (flat) -> one advantage per completion (flat)."""
+    return group_advantages(rewards.view(-1, num_generations), scale, eps).view(-1)
+
+
+def kl_term(logp, ref_logp, old_logp, estimator):
+    """Per-token KL penalty for the loss; see utils/rl.py for the gradient each estimator gives."""
+    if estimator == "k3_is":
+        return kl_k3_importance_weighted(logp, ref_logp, old_logp)
+    if estimator == "k3+":
+        return kl_k3(logp, ref_logp, straight_through=True)
+    return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
+
+
+def loss_settings(args):
+    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
+    settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
+                "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
+                "max_len": args.max_new_tokens, "clip_cov_frac": args.clip_cov_frac, "kl_cov_frac": args.kl_cov_frac}
+    return settings
+
+
+def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
+                 clip_eps_high=0.2, beta=0.0, kl_estimator="k3", loss_agg="seq-mean-token-mean", num_seqs=None,
+                 num_tokens=None, max_len=None, clip_cov_frac=0.0, kl_cov_frac=0.0):
+    """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
+
+    logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
+    whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give
+    the mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same global
+    num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean; `maxes` are maxima.
+    """
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if clip_cov_frac > 0:  # Clip-Cov: a few high-covariance tokens (those driving entropy down) give no gradient
+        unclipped = ratio * adv <= clipped * adv  # a clipped token has no gradient already
+        selected = covariance_tokens(logp, advantages, mask, clip_cov_frac, CLIP_COV_BOUNDS, unclipped)
+        per_token = per_token * ~selected
+    if kl_cov_frac > 0:  # KL-Cov: the unclipped surrogate, held near pi_old on the highest-covariance tokens only
+        selected = covariance_tokens(logp, advantages, mask, kl_cov_frac)
+        per_token = -ratio * adv + KL_COV_COEF * log_ratio.abs() * selected
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    if beta > 0:
+        kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
+        per_token = per_token + beta * kl
+    loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
+    with torch.no_grad():
+        m = mask.bool()
+        means = {"policy/clip_frac": (ratio * adv > clipped * adv)[m].float().sum() / num_tokens,
+                 "policy/ratio_mean": ratio[m].sum() / num_tokens,
+                 "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
+        if beta > 0:
+            means["losses/kl"] = kl[m].sum() / num_tokens
+        if clip_cov_frac > 0 or kl_cov_frac > 0:
+            means["policy/cov_selected_frac"] = selected[m].float().sum() / num_tokens
+        maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
+    return loss, means, maxes
+
+
+# ---- Model --------------------------------------------------------------------------------------------------------
+
+
+def load_model(args, accelerator, tokenizer, trainable=True):
+    """The policy keeps float32 master weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16 weights); the
+    frozen reference model is stored in bf16 on GPU."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if accelerator.device.type == "cuda" and not trainable else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model.config.use_cache = False
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
+
+    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
+    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = input_ids[:, prompt_width:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when T != 1
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, micro_batch_size, num_minibatches=1, with_entropy=False):
+    """Trainer log-probs (pi_old, pi_ref) of a rollout batch, and their entropies with_entropy (else None). The
+    micro-batches are update_policy's first epoch's, so pi_old here and the first mini-batch's pi_theta are equal."""
+    logp = torch.zeros_like(batch["completion_mask"])
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    for minibatch in torch.arange(len(logp), device=logp.device).chunk(num_minibatches):
+        for rows, mc in micro_batches(batch, minibatch, micro_batch_size):
+            mc_logp, mc_entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
+                                                 temperature, with_entropy)
+            logp[rows, :mc_logp.shape[1]] = mc_logp
+            if with_entropy:
+                entropy[rows, :mc_logp.shape[1]] = mc_entropy
+    return logp, entropy
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
+
+
+def create_engine(args, accelerator, stop_ids):
+    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for the HF decode loop; both end a
+    completion at its first stop token (stop_ids)."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return {"llm": None, "stop_ids": stop_ids}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20}  # CPU build: no sleep mode, small explicit KV cache
+    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
+              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
+    if on_gpu:
+        llm.sleep(level=args.vllm_sleep_level)
+    # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
+    # level-2 sleep); generate() pushes whenever it differs from the policy's version
+    return {"llm": llm, "stop_ids": stop_ids, "weights_version": None, "asleep": on_gpu,
+            "sleep_level": args.vllm_sleep_level}
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    state_dict = accelerator.unwrap_model(model).state_dict()
+    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
+    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    llm, sync_time = engine["llm"], 0.0
+    if llm is None:
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator,
+                           engine["stop_ids"]), sync_time
+    from vllm import SamplingParams
+
+    if engine["asleep"]:
+        llm.wake_up(tags=["weights"])
+    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
+        start = time.time()
+        push_weights(engine, model, accelerator)
+        engine["weights_version"], sync_time = policy_version, time.time() - start
+    if engine["asleep"]:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        llm.wake_up(tags=["kv_cache"])
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=engine["stop_ids"])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if engine["asleep"]:
+        llm.sleep(level=engine["sleep_level"])
+        if engine["sleep_level"] == 2:
+            engine["weights_version"] = None
+    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
+                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
+
+
+def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, temperature, top_p, max_new_tokens,
+                     accelerator, policy_version):
+    """Continue every unfinished completion of `groups` (a new one has no tokens yet) from prompt + its tokens so far,
+    and stop as soon as groups_needed more groups are complete; each completion gains the tokens sampled here, their
+    engine log-probs and policy_version per token. prompts: each group's prompt ids. Returns (seconds spent pushing
+    weights, decode calls of the HF loop or engine steps of vLLM)."""
+    rows = [(g, c) for g, group in enumerate(groups) for c in group["completions"] if not c["finished"]]
+    prefixes = [prompts[g] + c["token_ids"] for g, c in rows]
+    budgets = [max_new_tokens - len(c["token_ids"]) for _, c in rows]  # each completion's tokens left
+    llm, sync_time, finished = engine["llm"], 0.0, {}
+    if llm is None:
+        stats = {}
+        samples = hf_generate(model, tokenizer, prefixes, 1, temperature, top_p, max(budgets), accelerator,
+                              engine["stop_ids"], budgets, [g for g, _ in rows], groups_needed, stats)
+        calls = stats["decode_calls"]
+    else:  # the request-level API: step the engine until enough groups are complete, then abort the others
+        from vllm import SamplingParams
+
+        if engine["asleep"]:
+            llm.wake_up(tags=["weights"])
+        if engine["weights_version"] != policy_version:
+            start = time.time()
+            push_weights(engine, model, accelerator)
+            engine["weights_version"], sync_time = policy_version, time.time() - start
+        if engine["asleep"]:
+            torch.cuda.empty_cache()
+            llm.wake_up(tags=["kv_cache"])
+        rows_left = [0] * len(groups)
+        for i, ((g, _), prefix, budget) in enumerate(zip(rows, prefixes, budgets)):
+            rows_left[g] += 1
+            llm.llm_engine.add_request(f"r{policy_version}-{i}", {"prompt_token_ids": prefix}, SamplingParams(
+                temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0, stop_token_ids=engine["stop_ids"]))
+        latest, calls, complete = {}, 0, 0
+        while llm.llm_engine.has_unfinished_requests() and complete < groups_needed:
+            calls += 1
+            for out in llm.llm_engine.step():  # cumulative outputs: each holds all of its request's tokens so far
+                i = int(out.request_id.split("-")[1])
+                latest[i] = out.outputs[0]
+                if out.finished:
+                    rows_left[rows[i][0]] -= 1
+                    complete += rows_left[rows[i][0]] == 0
+        llm.llm_engine.abort_request([f"r{policy_version}-{i}" for i in range(len(rows)) if
+                                      i not in latest or latest[i].finish_reason is None])
+        if engine["asleep"]:
+            llm.sleep(level=engine["sleep_level"])
+            if engine["sleep_level"] == 2:
+                engine["weights_version"] = None
+        samples = []
+        for i in range(len(rows)):
+            o = latest.get(i)
+            ids = list(o.token_ids) if o is not None else []
+            samples.append(Sample(ids, [lp[t].logprob for lp, t in zip(o.logprobs, ids)] if o is not None else [],
+                                  o is not None and o.finish_reason == "length", o is not None and o.finish_reason
+                                  is not None))
+    for (_, completion), sample in zip(rows, samples):
+        completion["token_ids"] += sample.token_ids
+        completion["logprobs"] += sample.logprobs
+        completion["versions"] += [policy_version] * len(sample.token_ids)
+        completion["finished"], completion["truncated"] = sample.finished, sample.truncated
+    return sync_time, calls
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
+    """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
+    top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate."""
+    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
+    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+    ks = [2 ** i for i in range(1, args.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
+    totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
+    for start in range(0, len(prompts), 64):
+        chunk, chunk_rows = prompts[start:start + 64], mine[start:start + 64]
+        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
+            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+                              args.max_new_tokens, accelerator, policy_version)
+            texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
+            acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
+            totals[column] += sum(acc) / n
+            if column == 0:
+                totals[3] += sum(formats)
+            for j, k in enumerate(ks if column == 1 else []):  # each problem's n samples are consecutive
+                totals[4 + j] += sum(pass_at_k(n, int(sum(acc[i:i + n])), k) for i in range(0, len(acc), n))
+        totals[2] += len(chunk)
+    totals = accelerator.reduce(totals, reduction="sum")
+    n = totals[2].clamp(min=1)
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+            (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
+            "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, accelerator):
+    """num_epochs passes of num_minibatches optimizer steps over one rollout batch.
+
+    pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
+    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
+    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
+    count the whole mini-batch over all processes. With pi_old's entropies in the batch (--top_entropy_frac), the
+    policy gradient flows through the mini-batch's top tokens by entropy only, the threshold taken over all its
+    tokens on every process (the KL term keeps every token). Returns (the pi_old log-probs the loss used, statistics
+    grouped by how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer
+    step whose loss or gradient norm is not finite, so NaN never reaches the weights.
+    """
+    n = len(batch["advantages"])
+    size = n // args.num_minibatches
+    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
+    sums, maxes, grad_norms, thresholds = {}, {}, [], []
+    for epoch in range(args.num_epochs):
+        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
+        for mb_start in range(0, n, size):
+            mb_rows = order[mb_start:mb_start + size]
+            mb = slice_batch(batch, mb_rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
+                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
+            if mb.get("old_entropy") is not None:
+                thresholds.append(entropy_threshold(mb["old_entropy"], mb["completion_mask"], args.top_entropy_frac,
+                                                    lambda t: accelerator.gather(accelerator.pad_across_processes(
+                                                        t, pad_index=float("nan")))))
+                mb["pg_mask"] = (mb["old_entropy"] >= thresholds[-1]).float()
+            mb_loss = 0.0
+            for mc_start, (mc_rows, mc) in zip(range(0, size, args.micro_batch_size), micro_batches(
+                    mb, torch.arange(size, device=accelerator.device), args.micro_batch_size)):
+                last_micro_batch = mc_start + args.micro_batch_size >= size
+                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
+                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+                with grad_sync:
+                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
+                                                   args.temperature, with_entropy=True)
+                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
+                    is_weights, bounded = None, None
+                    if args.tis_cap > 0:  # the engine/trainer mismatch: pi_old / pi_engine, bounded
+                        is_weights, bounded = engine_is_weights(old_logp, mc["engine_logp"], mc["completion_mask"],
+                                                                args.tis_cap, args.tis_mode)
+                    if "pg_mask" in mc:  # compute_loss weighs the policy-gradient term by is_weights, not the KL
+                        is_weights = mc["pg_mask"] * (1.0 if is_weights is None else is_weights)
+                    loss, token_means, mc_maxes = compute_loss(
+                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
+                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                if "old_logp" not in batch:
+                    old_logp_used[mb_rows[mc_rows], :old_logp.shape[1]] = old_logp
+                m = mc["completion_mask"].bool()
+                mb_loss = mb_loss + loss.detach()
+                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
+                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
+                if bounded is not None:  # tokens whose mismatch weight was truncated or masked
+                    token_means["policy/tis_bounded_frac"] = bounded.sum() / num_tokens
+                if "pg_mask" in mc:
+                    token_means["policy/entropy_kept_frac"] = mc["pg_mask"][m].sum() / num_tokens
+                if epoch == 0 and mb_start == 0 and "old_logp" in batch:  # pi_old from its own pass must match
+                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
+                    ).mul(m).max()
+                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
+                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
+                for k, v in mc_maxes.items():
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
+            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm)):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm "
+                                         f"({grad_norm.item():.4g}) in epoch {epoch}, mini-batch {mb_start // size}")
+            grad_norms.append(grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    means = {"policy/grad_norm": torch.stack(grad_norms).mean()}
+    if thresholds:  # the same on every process
+        means["policy/entropy_threshold"] = torch.stack(thresholds).mean()
+    return old_logp_used, {"sums": sums, "means": means, "maxes": maxes}
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
+
+
+CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
+                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
+
+
+def main(args):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+
+    torch.set_num_threads(args.threads)
+    quiet_libraries()
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
+    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
+    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=mixed_precision if on_gpu else "no")
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
+    # Bad input fails here, in one line, before the models load.
+    try:
+        args = resolve_args(args, check_algorithm_args, accelerator.num_processes)
+        checkpoint = resume_checkpoint(run_dir, args)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        check_lengths(args)
+        train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(summary)
+    set_seed(args.seed, device_specific=True)
+    # The reward workers start now, before the models and the engine: they warm up while those load.
+    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
+                          args.reward_timeout, args.reward_memory_mb)
+
+    model = load_model(args, accelerator, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ref_model = None
+    if args.beta > 0 and not args.eval_only:
+        ref_model = load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    engine = create_engine(args, accelerator, stop_ids)
+
+    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
+        write_eval_only(accelerator, run_dir, args.model, result)
+        scorer.close()
+        return result
+
+    start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
+    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
+    # The groups in flight on this process: {"row": train row index, "version": the policy version that started it,
+    # "completions": G x {"token_ids", "logprobs" (the engine's), "versions" (per token), "finished", "truncated"}}
+    carry = load_process_state(accelerator, checkpoint) if checkpoint else []
+
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
+    prompts_local = args.prompts_per_step // world
+    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1), or when the KL in
+    # the reward needs it before the update; otherwise update_policy's first forward pass gives it (one pass saved).
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (args.kl_in_reward and args.beta > 0) or (
+        args.top_entropy_frac < 1)  # the entropy threshold needs the whole batch's entropies before the update
+    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        times = {"step": time.time()}
+        # 1. Rollout: continue the carried groups and start new ones (over-provisioned), stop once prompts_local groups
+        #    are complete; the policy is as it is after `version` updates.
+        version = step - 1
+        in_flight = len(carry)
+        carry = [group for group in carry if version - group["version"] <= args.max_staleness]
+        dropped = in_flight - len(carry)
+        # groups in flight on this process (with nothing carried, over-provisioning would only keep the short ones)
+        asked = math.ceil(args.overprovision * prompts_local) if args.max_staleness > 0 else prompts_local
+        new = max(0, asked - len(carry))
+        # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), asked * world, replace=False)
+        carry += [{"row": int(i), "version": version, "completions": [
+            {"token_ids": [], "logprobs": [], "versions": [], "finished": False, "truncated": False} for _ in range(G)]}
+            for i in picks[rank * asked:rank * asked + new]]
+        prompts = [tokenizer(train_rows[group["row"]]["prompt"], add_special_tokens=False)["input_ids"]
+                   for group in carry]
+        unfinished = [(c, len(c["token_ids"])) for group in carry for c in group["completions"] if not c["finished"]]
+        times["rollout"] = time.time()
+        if new == len(carry) == prompts_local:  # nothing carried, nothing over-provisioned: grpo.py's rollout
+            samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
+                                          args.max_new_tokens, accelerator, policy_version=version)
+            for completion, sample in zip([c for group in carry for c in group["completions"]], samples):
+                completion.update(token_ids=sample.token_ids, logprobs=sample.logprobs, finished=True,
+                                  truncated=sample.truncated, versions=[version] * len(sample.token_ids))
+            decode_calls = max(len(sample.token_ids) for sample in samples) if engine["llm"] is None else None
+        else:
+            whole = sum(all(c["finished"] for c in group["completions"]) for group in carry)
+            sync_time, decode_calls = generate_partial(
+                engine, model, tokenizer, carry, prompts, prompts_local - whole, args.temperature, args.top_p,
+                args.max_new_tokens, accelerator, version) if whole < prompts_local else (0.0, 0)
+        generated = [len(c["token_ids"]) - before for c, before in unfinished]  # tokens each sampled in this step
+        # train on the oldest complete groups; the rest (complete or not) waits for the next step
+        complete = [group for group in carry if all(c["finished"] for c in group["completions"])]
+        chosen = sorted(complete, key=lambda group: group["version"])[:prompts_local]
+        carry = [group for group in carry if not any(group is c for c in chosen)]
+        rows = [train_rows[group["row"]] for group in chosen]
+        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        samples = [Sample(c["token_ids"], c["logprobs"], c["truncated"]) for group in chosen
+                   for c in group["completions"]]
+        staleness = torch.tensor([version - v for group in chosen for c in group["completions"] for v in c["versions"]])
+        # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
+        times["train"] = time.time()
+        texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
+        scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
+        batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
+        mask = batch["completion_mask"]
+        if old_logp_pass:  # with pi_old's entropies when --top_entropy_frac needs them
+            batch["old_logp"], batch["old_entropy"] = batched_logprobs(
+                model, batch, args.temperature, args.micro_batch_size, args.num_minibatches, args.top_entropy_frac < 1)
+        if ref_model is not None:
+            batch["ref_logp"], _ = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size,
+                                                    args.num_minibatches)
+        # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
+        accuracy, formats, counts = scorer.result(scoring)
+        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        rewards = task_rewards.to(accelerator.device)
+        if ref_model is not None and args.kl_in_reward:  # detached sequence KL subtracted before the advantages
+            kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
+            rewards = rewards - args.beta * (kl * mask).sum(-1)
+        all_rewards = accelerator.gather(rewards)
+        if args.reward_norm == "normalize_then_sum":  # GDPO: accuracy and format each z-scored in its group first
+            parts = accelerator.gather(torch.tensor([accuracy, formats], device=accelerator.device).T.float())
+            advantages = decoupled_group_advantages(parts, torch.tensor([1.0, args.format_reward_weight]), G,
+                                                    args.adv_eps)
+        else:
+            advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
+        batch["advantages"] = advantages.view(world, -1)[rank]
+        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
+        try:
+            old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                             f"step (the last checkpoint in {run_dir} is intact)") from None
+        # 5. Log, evaluate, checkpoint.
+        num_tokens = add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
+        for s, count in enumerate(torch.bincount(staleness, minlength=args.max_staleness + 1).tolist()):
+            train_stats["sums"][f"async/tokens_staleness_{s}"] = count / num_tokens  # trained tokens s versions old
+        train_stats["sums"].update({"async/groups_dropped": dropped, "async/groups_carried": len(carry),
+                                    "async/groups_in_flight": in_flight + new})
+        train_stats["means"]["rollout/tail_frac"] = tail_fraction(generated)  # this step's decoding, not the trained
+        if decode_calls is not None:  # completions' lengths; HF forward passes or vLLM engine steps
+            train_stats["means"]["rollout/decode_calls"] = decode_calls
+        metrics = step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, {
+            "step": time.time() - times["step"], "rollout": times["train"] - times["rollout"],
+            "weight_sync": sync_time, "score": scoring.waited, "score_hidden": scoring.hidden})
+        metrics["charts/reward_std"] = all_rewards.std().item()
+        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+            start = time.time()
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
+                                    policy_version=step))
+            metrics["time/eval"] = time.time() - start
+        metrics["step"] = step
+        if accelerator.is_main_process:
+            log_step(metrics_file, metrics, args, progress.write, CONSOLE_KEYS, [
+                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], task_rewards[i])
+                for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step, process_state=carry)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
+    if accelerator.is_main_process:
+        close_metrics(metrics_file, args.track)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))

@@ -1,0 +1,124 @@
+"""grpo_async.py: the HF decode loop that stops once enough groups are complete, partial completions continued from
+prompt + tokens so far with their versions and engine log-probs, the on-policy limit (--max_staleness 0 is grpo.py
+exactly), staleness bounds and metrics, an exact resume with the carried completions, and two processes."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import grpo_async
+from tests.helpers import SMALL, resolved, run_grpo
+from tests.test_engine import setup
+from utils.hf_engine import hf_generate
+
+
+def new_groups(count, G):
+    return [{"row": i, "version": 0, "completions": [
+        {"token_ids": [], "logprobs": [], "versions": [], "finished": False, "truncated": False} for _ in range(G)]}
+        for i in range(count)]
+
+
+def test_hf_decode_loop_stops_once_enough_groups_are_complete():
+    _, accelerator, tokenizer, model = setup()
+    torch.manual_seed(0)
+    prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
+    rows = [p for p in prompts for _ in range(3)]  # 4 groups of 3
+    groups = [i // 3 for i in range(12)]
+    samples = hf_generate(model, tokenizer, rows, 1, 1.0, 1.0, 48, accelerator, [tokenizer.eos_token_id],
+                          groups=groups, groups_needed=1, stats=(stats := {}))
+    whole = [g for g in range(4) if all(samples[i].finished for i in range(3 * g, 3 * g + 3))]
+    assert len(whole) >= 1 and not all(sample.finished for sample in samples)  # stopped before the longest
+    longest_done = max(len(s.token_ids) for s in samples if s.finished)
+    assert stats["decode_calls"] == longest_done  # it stopped at the step that completed the group
+    for sample in samples:
+        assert len(sample.logprobs) == len(sample.token_ids)
+        if not sample.finished:  # every unfinished row has every step's token and no stop token
+            assert len(sample.token_ids) == stats["decode_calls"] and tokenizer.eos_token_id not in sample.token_ids
+    # budgets: each row's own limit; at the limit a row is finished and truncated
+    capped = hf_generate(model, tokenizer, rows[:3], 1, 1.0, 1.0, 48, accelerator, [tokenizer.eos_token_id],
+                         budgets=[2, 48, 5])
+    assert len(capped[0].token_ids) <= 2 and len(capped[2].token_ids) <= 5
+    assert all(s.finished for s in capped) and (capped[0].truncated or capped[0].token_ids[-1] == tokenizer.eos_token_id)
+
+
+def test_generate_partial_continues_from_the_tokens_so_far():
+    _, accelerator, tokenizer, model = setup()
+    torch.manual_seed(0)
+    engine = {"llm": None, "stop_ids": [tokenizer.eos_token_id]}
+    prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=")]
+    groups = new_groups(2, 2)
+    sync_time, calls = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts, 1, 1.0, 1.0, 48,
+                                                   accelerator, policy_version=3)
+    assert sync_time == 0.0 and calls >= 1
+    for completion in (c for group in groups for c in group["completions"]):
+        assert completion["versions"] == [3] * len(completion["token_ids"]) == [3] * len(completion["logprobs"])
+    # a completion with tokens already: continued from them (its old tokens, versions and log-probs kept)
+    old_tokens = tokenizer("<answer>0", add_special_tokens=False)["input_ids"]
+    n = len(old_tokens)
+    group = {"row": 0, "version": 1, "completions": [{"token_ids": list(old_tokens), "logprobs": [-0.5] * n,
+                                                      "versions": [1] * n, "finished": False, "truncated": False}]}
+    grpo_async.generate_partial(engine, model, tokenizer, [group], prompts[:1], 1, 1.0, 1.0, 48, accelerator,
+                                policy_version=4)
+    continued = group["completions"][0]
+    assert continued["finished"] and continued["token_ids"][:n] == old_tokens and len(continued["token_ids"]) > n
+    assert continued["versions"] == [1] * n + [4] * (len(continued["token_ids"]) - n)
+    assert continued["logprobs"][:n] == [-0.5] * n and len(continued["logprobs"]) == len(continued["token_ids"])
+    assert len(continued["token_ids"]) <= 48  # the budget counts the tokens it had
+
+
+def test_async_arguments():
+    assert resolved(grpo_async, max_staleness=0).overprovision == 1.5  # ignored at 0: nothing can be carried
+    for bad in ({"overprovision": 0.5}, {"max_staleness": -1}):
+        with pytest.raises(ValueError, match="--overprovision .* must be >= 1 and --max_staleness"):
+            resolved(grpo_async, **bad)
+
+
+KEYS = ("charts/reward", "charts/completion_length", "losses/policy", "policy/grad_norm", "losses/kl")
+
+
+@pytest.mark.slow
+def test_max_staleness_0_is_grpo_exactly(tmp_path):
+    """The same computation as grpo.py (same prompts, same decode calls, same update): bit-equal metrics."""
+    flags = ["--total_steps", "3", "--eval_every", "0", *SMALL]
+    _, sync = run_grpo(flags, tmp_path)
+    _, limit = run_grpo([*flags, "--max_staleness", "0", "--tis_cap", "0"], tmp_path, script="grpo_async.py")
+    for key in KEYS:
+        assert [r[key] for r in limit] == [r[key] for r in sync], key
+    assert all(r["async/groups_carried"] == 0 and r["async/tokens_staleness_0"] == 1.0 for r in limit)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
+    flags = ["--eval_every", "0", "--save_every", "2", "--overprovision", "2", *SMALL]
+    _, straight = run_grpo(["--total_steps", "4", "--exp_name", "straight", *flags], tmp_path,
+                           script="grpo_async.py")
+    assert any(r["async/groups_carried"] > 0 for r in straight)  # over-provisioned groups wait
+    assert any(r["async/tokens_staleness_1"] > 0 for r in straight)  # and are trained a version later
+    for r in straight:
+        assert r["async/tokens_staleness_0"] + r["async/tokens_staleness_1"] == pytest.approx(1.0)
+        assert r["rollout/decode_calls"] <= 48 and 0 <= r["rollout/tail_frac"] < 1
+    carried = json.load(open(tmp_path / "straight__1" / "checkpoint" / "process_0.json"))
+    assert carried == [] or {"row", "version", "completions"} <= set(carried[0])
+    # interrupted after step 2's checkpoint, resumed: steps 3 and 4 as the straight run's (carry, RNG, weights)
+    run_grpo(["--total_steps", "2", *flags], tmp_path, script="grpo_async.py")
+    proc, resumed = run_grpo(["--total_steps", "4", "--resume", *flags], tmp_path, script="grpo_async.py")
+    assert "resumed from" in proc.stdout
+    for key in (*KEYS, "async/groups_carried", "async/tokens_staleness_1"):
+        assert [r[key] for r in resumed[2:]] == pytest.approx([r[key] for r in straight[2:]], rel=1e-5), key
+    # groups started more than --max_staleness versions ago are dropped: no trained token is older
+    _, bounded = run_grpo(["--total_steps", "4", "--exp_name", "bounded", "--eval_every", "0", "--overprovision",
+                           "3", "--max_staleness", "1", *SMALL], tmp_path, script="grpo_async.py")
+    assert all(r.get("async/tokens_staleness_2", 0) == 0 for r in bounded)
+
+
+@pytest.mark.slow
+def test_two_processes(tmp_path):
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                "29541")
+    proc, rows = run_grpo(["--total_steps", "3", "--eval_every", "3", "--overprovision", "2", *SMALL,
+                           "--micro_batch_size", "4"], tmp_path, launcher=launcher, script="grpo_async.py")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval/problems"] == 16
+    assert any(r["async/groups_carried"] > 0 for r in rows)
