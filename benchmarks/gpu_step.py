@@ -4,6 +4,13 @@ loop), using grpo.py's own functions (create_engine, generate, batched_logprobs,
 
     python benchmarks/gpu_step.py                                  # one GPU: Qwen2.5-0.5B shape, 256 x 256 tokens
     python benchmarks/gpu_step.py --shape tiny --engines hf --steps 2 --prompts 4 --new_tokens 16   # CPU check
+    python benchmarks/gpu_step.py --tail --engines vllm          # grpo.py's rollout vs grpo_async.py's, long tail
+
+--tail times rollouts only, on long-tailed lengths: a fraction --stop_frac of the vocabulary ends a completion, so with
+random weights lengths are geometric (mean 1 / stop_frac, capped at --new_tokens); grpo.py's rollout (every group to
+its end) against grpo_async.py's generate_partial with --overprovision groups in flight (stop once --prompts groups
+are whole, continue the rest next step, drop groups older than one step). The weights do not change between steps
+(no training), so both pay the same: no weight push, the same trainer.
 
 No hub: the model is a Qwen2 config with Qwen2.5-0.5B's sizes and random weights, saved locally with a word-level
 tokenizer of the same vocabulary; prompts are random token ids. Random weights almost never sample EOS (about
@@ -25,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
+import grpo_async  # noqa: E402
 from utils.checks import resolve_args  # noqa: E402
 from utils.rl import make_batch  # noqa: E402
 from utils.runs import quiet_libraries  # noqa: E402
@@ -131,6 +139,68 @@ def run_engine(engine_name, opts, model_dir):
     return result
 
 
+def run_tail(engine_name, opts, model_dir):
+    """grpo.py's synchronous rollout against grpo_async.py's partial rollouts on the same long-tailed lengths."""
+    import math
+
+    from accelerate import Accelerator
+
+    on_gpu = torch.cuda.is_available()
+    args = resolve_args(grpo_async.Args(model=model_dir, task="toy", engine=engine_name, max_new_tokens=opts.new_tokens,
+                                        max_prompt_length=opts.prompt_len, num_generations=opts.generations,
+                                        prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
+                                        eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization),
+                        grpo_async.check_algorithm_args)
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+    tokenizer, _ = grpo.load_tokenizer(args.model)
+    model = accelerator.prepare(grpo.load_model(args, accelerator, tokenizer).eval())
+    vocab = SHAPES[opts.shape]["vocab_size"]
+    stop_ids = list(range(3, 3 + max(1, round(opts.stop_frac * vocab))))  # not the special ids 0-2
+    engine = grpo_async.create_engine(args, accelerator, stop_ids)
+    generator = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)  # the HF engine's sampling
+    G, need, result = opts.generations, opts.prompts, {"engine": engine_name, "shape": opts.shape,
+                                                       "device": torch.cuda.get_device_name() if on_gpu else "cpu"}
+    for mode, overprovision in (("sync", 1.0), ("async", opts.overprovision)):
+        carry, steps = [], []
+        for step in range(1, opts.steps + 1):
+            carry = [group for group in carry if step - 1 - group["version"] <= 1]  # --max_staleness 1
+            new = math.ceil(overprovision * need) - len(carry)
+            carry += [{"version": step - 1, "prompt": torch.randint(3, vocab, (opts.prompt_len,), generator=generator)
+                       .tolist(), "completions": [{"token_ids": [], "logprobs": [], "versions": [], "finished": False,
+                                                   "truncated": False} for _ in range(G)]} for _ in range(new)]
+            prompts = [group["prompt"] for group in carry]
+            before = sum(len(c["token_ids"]) for group in carry for c in group["completions"])
+            start = time.time()
+            if mode == "sync":  # grpo.py's rollout: every group to its end, each prompt's G completions together
+                samples, _ = grpo.generate(engine, model, tokenizer, prompts, G, 1.0, 1.0, opts.new_tokens,
+                                           accelerator, policy_version=0)
+                for completion, sample in zip([c for group in carry for c in group["completions"]], samples):
+                    completion.update(token_ids=sample.token_ids, finished=True)
+                calls = max(len(sample.token_ids) for sample in samples)
+            else:
+                whole = sum(all(c["finished"] for c in group["completions"]) for group in carry)
+                _, calls = grpo_async.generate_partial(engine, model, tokenizer, carry, prompts, max(0, need - whole),
+                                                       1.0, 1.0, opts.new_tokens, accelerator, policy_version=0)
+            if on_gpu:
+                torch.cuda.synchronize()
+            seconds = time.time() - start
+            complete = [group for group in carry if all(c["finished"] for c in group["completions"])]
+            chosen = sorted(complete, key=lambda group: group["version"])[:need]
+            carry = [group for group in carry if not any(group is c for c in chosen)]
+            trained = [len(c["token_ids"]) for group in chosen for c in group["completions"]]
+            steps.append({"rollout_s": seconds, "decode_calls": calls, "trained_tokens": sum(trained),
+                          "generated_tokens": sum(len(c["token_ids"]) for group in chosen + carry
+                                                  for c in group["completions"]) - before,
+                          "longest": max(trained), "mean_length": sum(trained) / len(trained)})
+        later = steps[2:] or steps  # the first steps fill the carry (and pay warm-up)
+        result[mode] = {"steps": steps, **{k: statistics.median(s[k] for s in later) for k in steps[0]}}
+    result["rollout_ratio"] = result["async"]["rollout_s"] / result["sync"]["rollout_s"]
+    if engine["llm"] is not None:
+        del engine["llm"]
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
@@ -143,6 +213,9 @@ def main():
     parser.add_argument("--micro_batch_size", type=int, default=32)
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tail", action="store_true", help="time grpo.py's rollout against grpo_async.py's")
+    parser.add_argument("--stop_frac", type=float, default=1 / 64, help="--tail: the vocabulary fraction that stops")
+    parser.add_argument("--overprovision", type=float, default=1.5, help="--tail: grpo_async.py's groups in flight")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_step.jsonl"))
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
@@ -152,11 +225,20 @@ def main():
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(opts.shape, model_dir)
         for engine_name in opts.engines:
-            results.append(run_engine(engine_name, opts, model_dir))
+            results.append((run_tail if opts.tail else run_engine)(engine_name, opts, model_dir))
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     with open(opts.out, "a") as f:
         for r in results:
-            f.write(json.dumps({"shape": opts.shape, "time": time.strftime("%Y-%m-%d %H:%M"), **vars(opts), **r}) + "\n")
+            f.write(json.dumps({"shape": opts.shape, **vars(opts), **r}) + "\n")
+    if opts.tail:
+        print("| engine | device | rollout s sync | async | ratio | decode calls sync | async | trained tokens sync | "
+              "async |\n|" + "---|" * 9)
+        for r in results:
+            s, a = r["sync"], r["async"]
+            print(f"| {r['engine']} | {r['device']} | {s['rollout_s']:.2f} | {a['rollout_s']:.2f} | "
+                  f"{r['rollout_ratio']:.2f}x | {s['decode_calls']:.0f} | {a['decode_calls']:.0f} | "
+                  f"{s['trained_tokens']:.0f} | {a['trained_tokens']:.0f} |")
+        return results
     print("| engine | device | step s | rollout s | weight sync s | reference s | train s | tokens/s | gap mean | "
           "engine start s |\n|" + "---|" * 10)
     for r in results:

@@ -24,3 +24,21 @@ def test_gpu_step_at_a_tiny_shape(tmp_path):
     for step in result["steps"]:
         assert step["tokens"] == 4 * 2 * 16 and step["truncated_frac"] == 1.0  # the forced length
         assert step["logprob_gap_max"] < 1e-4 and step["step_s"] >= step["rollout_s"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_step_tail_mode_at_a_tiny_shape(tmp_path):
+    """--tail: grpo.py's rollout against grpo_async.py's on long-tailed lengths (a share of the vocabulary stops)."""
+    out = tmp_path / "gpu_step.jsonl"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tail", "--shape", "tiny", "--engines", "hf",
+                           "--steps", "4", "--prompts", "4", "--generations", "4", "--new_tokens", "64",
+                           "--prompt_len", "8", "--micro_batch_size", "4", "--stop_frac", "0.05", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = [json.loads(line) for line in open(out)]
+    assert "| hf | cpu |" in proc.stdout and result["rollout_ratio"] > 0
+    sync, partial = result["sync"], result["async"]
+    for step in sync["steps"]:  # every group to its end: the step's decode calls are its longest completion's
+        assert step["decode_calls"] == step["longest"] <= 64 and step["trained_tokens"] == step["generated_tokens"]
+    assert partial["decode_calls"] < sync["decode_calls"]  # stopped once 4 of 6 groups were whole
+    assert all(step["trained_tokens"] > 0 for step in partial["steps"])
