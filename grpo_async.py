@@ -6,7 +6,7 @@ A step asks the engine for more groups than it trains on (--overprovision) and s
 prompts_per_step groups are complete. The unfinished completions are kept, with each token's engine log-prob and the
 policy version that sampled it, and continued in later steps from prompt + tokens so far under newer weights. A group
 started more than --max_staleness versions ago is dropped. Tokens from older versions are corrected with the decoupled
-objective (Hilton et al., arXiv 2110.00641, eq. 3; AReaL): the clip is taken against pi_old, the trainer's log-probs
+PPO objective (Hilton et al., arXiv 2110.00641; as AReaL): the clip is taken against pi_old, the trainer's log-probs
 at this step's weights (the proximal policy), and each token is weighted by pi_old / pi_behav, truncated:
 
   J(theta) = E[ 1/G sum_i 1/|o_i| sum_t { w_it min( r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i ) - beta KL_it } ]
@@ -600,7 +600,8 @@ def main(args):
         asked = math.ceil(args.overprovision * prompts_local) if args.max_staleness > 0 else prompts_local
         new = max(0, asked - len(carry))
         # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
-        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), asked * world, replace=False)
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), asked * world,
+                                                                replace=asked * world > len(train_rows))  # tiny sets
         carry += [{"row": int(i), "version": version, "completions": [
             {"token_ids": [], "logprobs": [], "versions": [], "finished": False, "truncated": False} for _ in range(G)]}
             for i in picks[rank * asked:rank * asked + new]]

@@ -44,6 +44,9 @@ VARIANTS = {  # name: (script, flags)
     "kl_cov": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4", "--kl_cov_frac", "2e-3"]),
     "grpo_async": ("grpo_async.py", []),  # partial rollouts: 1.5x groups in flight, staleness <= 1, TIS cap 2
     "grpo_async_vllm": ("grpo_async.py", ["--engine", "vllm"]),
+    "async_no_is": ("grpo_async.py", ["--tis_cap", "0"]),  # the older tokens uncorrected
+    "async_token_mask": ("grpo_async.py", ["--tis_mode", "token-mask"]),  # IcePop-style: outside [1/2, 2] masked
+    "async_seq_mask": ("grpo_async.py", ["--tis_mode", "seq-mask"]),  # MIS: a sequence outside [1/2, 2] masked
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch

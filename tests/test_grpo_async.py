@@ -96,7 +96,9 @@ def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
                            script="grpo_async.py")
     assert any(r["async/groups_carried"] > 0 for r in straight)  # over-provisioned groups wait
     assert any(r["async/tokens_staleness_1"] > 0 for r in straight)  # and are trained a version later
-    for r in straight:
+    assert sum(r["async/groups_dropped"] for r in straight) > 0  # some waited too long (checked below)
+    for r in straight:  # groups started more than --max_staleness (1) versions ago are dropped: no older token
+        assert "async/tokens_staleness_2" not in r
         assert r["async/tokens_staleness_0"] + r["async/tokens_staleness_1"] == pytest.approx(1.0)
         assert r["rollout/decode_calls"] <= 48 and 0 <= r["rollout/tail_frac"] < 1
     carried = json.load(open(tmp_path / "straight__1" / "checkpoint" / "process_0.json"))
@@ -107,10 +109,6 @@ def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
     assert "resumed from" in proc.stdout
     for key in (*KEYS, "async/groups_carried", "async/tokens_staleness_1"):
         assert [r[key] for r in resumed[2:]] == pytest.approx([r[key] for r in straight[2:]], rel=1e-5), key
-    # groups started more than --max_staleness versions ago are dropped: no trained token is older
-    _, bounded = run_grpo(["--total_steps", "4", "--exp_name", "bounded", "--eval_every", "0", "--overprovision",
-                           "3", "--max_staleness", "1", *SMALL], tmp_path, script="grpo_async.py")
-    assert all(r.get("async/tokens_staleness_2", 0) == 0 for r in bounded)
 
 
 @pytest.mark.slow
