@@ -357,7 +357,7 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
     rows = [(g, c) for g, group in enumerate(groups) for c in group["completions"] if not c["finished"]]
     prefixes = [prompts[g] + c["token_ids"] for g, c in rows]
     budgets = [max_new_tokens - len(c["token_ids"]) for _, c in rows]  # each completion's tokens left
-    llm, sync_time, finished = engine["llm"], 0.0, {}
+    llm, sync_time = engine["llm"], 0.0
     if llm is None:
         stats = {}
         samples = hf_generate(model, tokenizer, prefixes, 1, temperature, top_p, max(budgets), accelerator,
