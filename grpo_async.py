@@ -375,21 +375,21 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
         if engine["asleep"]:
             torch.cuda.empty_cache()
             llm.wake_up(tags=["kv_cache"])
-        rows_left = [0] * len(groups)
+        rows_left, call = [0] * len(groups), f"v{policy_version}.{time.monotonic_ns()}"  # request ids: call-row
         for i, ((g, _), prefix, budget) in enumerate(zip(rows, prefixes, budgets)):
             rows_left[g] += 1
-            llm.llm_engine.add_request(f"r{policy_version}-{i}", {"prompt_token_ids": prefix}, SamplingParams(
+            llm.llm_engine.add_request(f"{call}-{i}", {"prompt_token_ids": prefix}, SamplingParams(
                 temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0, stop_token_ids=engine["stop_ids"]))
         latest, calls, complete = {}, 0, 0
         while llm.llm_engine.has_unfinished_requests() and complete < groups_needed:
             calls += 1
             for out in llm.llm_engine.step():  # cumulative outputs: each holds all of its request's tokens so far
-                i = int(out.request_id.split("-")[1])
+                i = int(out.request_id.rsplit("-", 1)[1])
                 latest[i] = out.outputs[0]
                 if out.finished:
                     rows_left[rows[i][0]] -= 1
                     complete += rows_left[rows[i][0]] == 0
-        llm.llm_engine.abort_request([f"r{policy_version}-{i}" for i in range(len(rows)) if
+        llm.llm_engine.abort_request([f"{call}-{i}" for i in range(len(rows)) if
                                       i not in latest or latest[i].finish_reason is None])
         if engine["asleep"]:
             llm.sleep(level=engine["sleep_level"])
