@@ -70,15 +70,6 @@ def test_grpo_trains_with_vllm_engine(tmp_path):
     assert "eval/pass@1_greedy" in rows[2]
 
 
-def test_grpo_async_trains_with_vllm_engine(tmp_path):
-    """The carried groups through vLLM's request-level API in the training loop: continued under pushed weights."""
-    _, rows = run_grpo(["--engine", "vllm", "--total_steps", "3", "--eval_every", "0", "--overprovision", "2", *SMALL],
-                       tmp_path, timeout=600, script="grpo_async.py")
-    assert [r["step"] for r in rows] == [1, 2, 3] and any(r["async/groups_carried"] > 0 for r in rows)
-    assert rows[0]["rollout/logprob_gap_max"] < 1e-3  # step 1: every token from the weights being trained
-    assert all(0 < r["rollout/decode_calls"] <= 48 for r in rows)
-
-
 PARTIAL_ROLLOUT_CHECK = """
 import json, sys, torch
 import grpo_async
@@ -98,24 +89,39 @@ _, steps = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts
 whole = sum(all(c["finished"] for c in g["completions"]) for g in groups)
 unfinished = sum(not c["finished"] for g in groups for c in g["completions"])
 partial_lengths = [len(c["token_ids"]) for g in groups for c in g["completions"] if not c["finished"]]
-_, more = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts, 4 - whole, 1.0, 1.0, 48, accelerator, 0)
+_, more = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts, 4 - whole, 1.0, 1.0, 48,
+                                     accelerator, 0)
 completions = [c for g in groups for c in g["completions"]]
 samples = [grpo_async.Sample(c["token_ids"], c["logprobs"], c["truncated"]) for c in completions]
 batch = grpo_async.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
+trainer, _ = grpo_async.batched_logprobs(model, batch, 1.0, 8)
+mask = batch["completion_mask"].bool()
+gap = (batch["engine_logp"] - trainer).abs()[mask].max().item()
+with torch.no_grad():  # an update: the next call, under a new policy version, must push the weights first
+    for p in model.parameters():
+        p.add_(0.05 * torch.randn_like(p))
+fresh = [{"row": 0, "version": 1, "completions": [{"token_ids": [], "logprobs": [], "versions": [], "finished": False,
+          "truncated": False} for _ in range(4)]}]
+sync_time, _ = grpo_async.generate_partial(engine, model, tokenizer, fresh, prompts[:1], 1, 1.0, 1.0, 48,
+                                           accelerator, 1)
+new = [grpo_async.Sample(c["token_ids"], c["logprobs"], c["truncated"]) for c in fresh[0]["completions"]]
+batch = grpo_async.make_batch([prompts[0]] * 4, new, tokenizer.pad_token_id, "cpu")
 trainer, _ = grpo_async.batched_logprobs(model, batch, 1.0, 8)
 mask = batch["completion_mask"].bool()
 print(json.dumps({"steps": steps, "whole": whole, "unfinished": unfinished, "partial_lengths": partial_lengths,
                   "all_finished": all(c["finished"] for c in completions),
                   "versions_match": all(len(c["versions"]) == len(c["token_ids"]) == len(c["logprobs"])
                                         for c in completions),
-                  "gap": (batch["engine_logp"] - trainer).abs()[mask].max().item()}))
+                  "gap": gap, "pushed": sync_time > 0, "gap_after_push": (batch["engine_logp"] - trainer).abs()[mask]
+                  .max().item(), "new_versions": [c["versions"][0] for c in fresh[0]["completions"]]}))
 """
 
 
 def test_partial_rollouts_stop_early_and_continue_on_vllm(tmp_path):
     """grpo_async.py's vLLM path: the engine is stepped until one group is complete and the rest aborted; continued
     from prompt + tokens so far, every completion finishes, and its engine log-probs (both halves) match the
-    trainer's on the whole sequence."""
+    trainer's on the whole sequence; after an update, a call under the new policy version pushes the weights first
+    (the training loop's use of it; the loop's other engine calls are grpo.py's, run through vLLM by the test above)."""
     env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([sys.executable, "-c", PARTIAL_ROLLOUT_CHECK], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -124,4 +130,5 @@ def test_partial_rollouts_stop_early_and_continue_on_vllm(tmp_path):
     print(result)
     assert result["whole"] >= 1 and result["unfinished"] > 0 and min(result["partial_lengths"]) > 0, result
     assert result["steps"] < 48 and result["all_finished"] and result["versions_match"], result
-    assert result["gap"] < 1e-3, result
+    assert result["gap"] < 1e-3 and result["pushed"] and result["gap_after_push"] < 1e-3, result
+    assert result["new_versions"] == [1] * 4, result
