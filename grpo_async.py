@@ -16,10 +16,7 @@ at this step's weights (the proximal policy), and each token is weighted by pi_o
                                                        token, under the version it had then (--tis_cap C, --tis_mode)
   A_i, KL_it as grpo.py (group z-score; k3 in the loss)
 
---max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested): nothing is carried or over-provisioned. What
-differs from grpo.py: this docstring, the `# asynchronous rollouts` Args, generate_partial (HF engine: its decode loop
-stops once enough groups are complete; vLLM: its request-level API, aborting the rest), and the Training loop's
-rollout, metrics and checkpointed carry-over.
+--max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested). Not carried over from grpo.py: Clip-Cov and KL-Cov.
 """
 
 import contextlib
@@ -37,7 +34,7 @@ from utils.checks import check_lengths, resolve_args
 from utils.hf_engine import Sample, hf_generate
 from utils.models import load_tokenizer
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, covariance_tokens, decoupled_group_advantages,
+from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advantages,
                       engine_is_weights, entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3,
                       kl_k3_importance_weighted, make_batch, micro_batches, pass_at_k, slice_batch)
 from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, load_process_state, log_step,
@@ -124,19 +121,9 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     """advantages of the weighted sum (GRPO), or of each reward z-scored in its group, summed, batch z-scored (GDPO)"""
     top_entropy_frac: float = 1.0
     """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
-    clip_cov_frac: float = 0.0
-    """Clip-Cov (arXiv 2505.22617): no policy gradient through this fraction of tokens, drawn among the unclipped
-    ones whose covariance of log-prob and advantage is in (1, 5) (the paper: 2e-4; 0: off)"""
-    kl_cov_frac: float = 0.0
-    """KL-Cov (arXiv 2505.22617): no ratio clip, and |log pi - log pi_old| added on this fraction of tokens, those of
-    highest covariance (the paper's 7B runs: 2e-3; 0: off)"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
-
-
-CLIP_COV_BOUNDS = (1.0, 5.0)  # Clip-Cov draws among the tokens whose covariance lies in these (the paper's omegas)
-KL_COV_COEF = 1.0  # KL-Cov's coefficient of |log pi - log pi_old|: the paper's
 
 
 def check_algorithm_args(args, num_processes=1):
@@ -153,8 +140,6 @@ def check_algorithm_args(args, num_processes=1):
     if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
         raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
                          "--scale_rewards group and without --kl_in_reward")
-    if not (0 <= args.clip_cov_frac < 1 and 0 <= args.kl_cov_frac < 1) or (args.clip_cov_frac and args.kl_cov_frac):
-        raise ValueError("--clip_cov_frac and --kl_cov_frac are fractions in [0, 1), and only one of them may be on")
     if args.overprovision < 1 or args.max_staleness < 0:
         raise ValueError(f"--overprovision {args.overprovision} must be >= 1 and --max_staleness {args.max_staleness} "
                          ">= 0")
@@ -181,13 +166,13 @@ def loss_settings(args):
     """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
     settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
                 "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
-                "max_len": args.max_new_tokens, "clip_cov_frac": args.clip_cov_frac, "kl_cov_frac": args.kl_cov_frac}
+                "max_len": args.max_new_tokens}
     return settings
 
 
 def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
                  clip_eps_high=0.2, beta=0.0, kl_estimator="k3", loss_agg="seq-mean-token-mean", num_seqs=None,
-                 num_tokens=None, max_len=None, clip_cov_frac=0.0, kl_cov_frac=0.0):
+                 num_tokens=None, max_len=None):
     """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
 
     logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
@@ -202,13 +187,6 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     adv = advantages.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
-    if clip_cov_frac > 0:  # Clip-Cov: a few high-covariance tokens (those driving entropy down) give no gradient
-        unclipped = ratio * adv <= clipped * adv  # a clipped token has no gradient already
-        selected = covariance_tokens(logp, advantages, mask, clip_cov_frac, CLIP_COV_BOUNDS, unclipped)
-        per_token = per_token * ~selected
-    if kl_cov_frac > 0:  # KL-Cov: the unclipped surrogate, held near pi_old on the highest-covariance tokens only
-        selected = covariance_tokens(logp, advantages, mask, kl_cov_frac)
-        per_token = -ratio * adv + KL_COV_COEF * log_ratio.abs() * selected
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta > 0:
@@ -222,8 +200,6 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
                  "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
         if beta > 0:
             means["losses/kl"] = kl[m].sum() / num_tokens
-        if clip_cov_frac > 0 or kl_cov_frac > 0:
-            means["policy/cov_selected_frac"] = selected[m].float().sum() / num_tokens
         maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
     return loss, means, maxes
 
@@ -395,13 +371,10 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
             llm.sleep(level=engine["sleep_level"])
             if engine["sleep_level"] == 2:
                 engine["weights_version"] = None
-        samples = []
-        for i in range(len(rows)):
-            o = latest.get(i)
-            ids = list(o.token_ids) if o is not None else []
-            samples.append(Sample(ids, [lp[t].logprob for lp, t in zip(o.logprobs, ids)] if o is not None else [],
-                                  o is not None and o.finish_reason == "length", o is not None and o.finish_reason
-                                  is not None))
+        samples = [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
+                          o.finish_reason == "length", o.finish_reason is not None) if o
+                   else Sample([], [], False, False)
+                   for o in map(latest.get, range(len(rows)))]  # a request never stepped has no tokens yet
     for (_, completion), sample in zip(rows, samples):
         completion["token_ids"] += sample.token_ids
         completion["logprobs"] += sample.logprobs
@@ -577,7 +550,8 @@ def main(args):
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     # The groups in flight on this process: {"row": train row index, "version": the policy version that started it,
-    # "completions": G x {"token_ids", "logprobs" (the engine's), "versions" (per token), "finished", "truncated"}}
+    # "prompt": its token ids, "completions": G x {"token_ids", "logprobs" (the engine's), "versions" (per token),
+    # "finished", "truncated"}}
     carry = load_process_state(accelerator, checkpoint) if checkpoint else []
 
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
@@ -602,12 +576,11 @@ def main(args):
         # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), asked * world,
                                                                 replace=asked * world > len(train_rows))  # tiny sets
-        carry += [{"row": int(i), "version": version, "completions": [
+        carry += [{"row": int(i), "version": version, "prompt": tokenizer(train_rows[i]["prompt"],
+                   add_special_tokens=False)["input_ids"], "completions": [
             {"token_ids": [], "logprobs": [], "versions": [], "finished": False, "truncated": False} for _ in range(G)]}
             for i in picks[rank * asked:rank * asked + new]]
-        prompts = [tokenizer(train_rows[group["row"]]["prompt"], add_special_tokens=False)["input_ids"]
-                   for group in carry]
-        unfinished = [(c, len(c["token_ids"])) for group in carry for c in group["completions"] if not c["finished"]]
+        prompts = [group["prompt"] for group in carry]
         times["rollout"] = time.time()
         if new == len(carry) == prompts_local:  # nothing carried, nothing over-provisioned: grpo.py's rollout
             samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
@@ -621,13 +594,12 @@ def main(args):
             sync_time, decode_calls = generate_partial(
                 engine, model, tokenizer, carry, prompts, prompts_local - whole, args.temperature, args.top_p,
                 args.max_new_tokens, accelerator, version) if whole < prompts_local else (0.0, 0)
-        generated = [len(c["token_ids"]) - before for c, before in unfinished]  # tokens each sampled in this step
         # train on the oldest complete groups; the rest (complete or not) waits for the next step
         complete = [group for group in carry if all(c["finished"] for c in group["completions"])]
         chosen = sorted(complete, key=lambda group: group["version"])[:prompts_local]
         carry = [group for group in carry if not any(group is c for c in chosen)]
         rows = [train_rows[group["row"]] for group in chosen]
-        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        prompts = [group["prompt"] for group in chosen]
         samples = [Sample(c["token_ids"], c["logprobs"], c["truncated"]) for group in chosen
                    for c in group["completions"]]
         staleness = torch.tensor([version - v for group in chosen for c in group["completions"] for v in c["versions"]])
@@ -670,6 +642,8 @@ def main(args):
             train_stats["sums"][f"async/tokens_staleness_{s}"] = count / num_tokens  # trained tokens s versions old
         train_stats["sums"].update({"async/groups_dropped": dropped, "async/groups_carried": len(carry),
                                     "async/groups_in_flight": in_flight + new})
+        generated = [n for group in chosen + carry for c in group["completions"]  # tokens sampled in this step
+                     if (n := c["versions"].count(version))]
         train_stats["means"]["rollout/tail_frac"] = tail_fraction(generated)  # this step's decoding, not the trained
         if decode_calls is not None:  # completions' lengths; HF forward passes or vLLM engine steps
             train_stats["means"]["rollout/decode_calls"] = decode_calls
