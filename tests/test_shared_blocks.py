@@ -23,14 +23,20 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
     "Algorithm": "*",
     "Policy update": ("ppo.py",),  # the critic's value-loss step beside the policy's, on the same mini-batches
     "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop": (
-        "grpo_async.py",),  # generate_partial: generation that stops once enough groups are complete
+        "grpo_async.py",  # generate_partial: generation that stops once enough groups are complete
+        "grpo_tools.py"),  # one wake and weight push for all turns of a rollout; generation stops at the tool call
+    "Evaluation": ("grpo_tools.py",),  # test completions may call the tool too
     "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
                       "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
+                      "grpo_tools.py",  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
                       "ppo.py"),  # the critic: its values, per-token rewards, GAE
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
     "exp_name": "*",         # e.g. `# GRPO`, always may): the script's name
+    "model": ("grpo_tools.py",),  # the embedded model warmed up to call the tool
+    "task": ("grpo_tools.py",),  # toy_mul: products it cannot compute in its head
+    "max_new_tokens": ("grpo_tools.py",),  # the model's tokens over all turns; room for a tool call on the toy
     "num_generations": ("ppo.py",),  # no groups: one completion per prompt
     "prompts_per_step": ("ppo.py",),  # so more distinct prompts per step
     "num_epochs": ("ppo.py",),  # each paper's off-policy regime: mu = num_epochs * num_minibatches

@@ -132,3 +132,55 @@ def test_partial_rollouts_stop_early_and_continue_on_vllm(tmp_path):
     assert result["steps"] < 48 and result["all_finished"] and result["versions_match"], result
     assert result["gap"] < 1e-3 and result["pushed"] and result["gap_after_push"] < 1e-3, result
     assert result["new_versions"] == [1] * 4, result
+
+
+TOOL_ROLLOUT_CHECK = """
+import json, os, torch
+import grpo_tools
+from accelerate import Accelerator
+from tests.helpers import resolved
+from utils.tasks import toy_mul_problems
+from utils.tools import PythonSandbox
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+args = resolved(grpo_tools, engine="vllm", model=os.path.join(grpo_tools.TOY_MODEL_DIR, "tools"), max_new_tokens=96)
+accelerator = Accelerator(cpu=True)
+tokenizer, stop_ids = grpo_tools.load_tokenizer(args.model)
+model = grpo_tools.load_model(args, accelerator, tokenizer).eval()
+engine = grpo_tools.create_engine(args, accelerator, stop_ids)
+pushes = []
+push = grpo_tools.push_weights
+grpo_tools.push_weights = lambda *a: (pushes.append(1), push(*a))
+prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
+with PythonSandbox(num_workers=1) as sandbox:
+    samples, masks, completions, _, _ = grpo_tools.rollout(args, engine, model, tokenizer, sandbox, prompts, 4, 1.0,
+                                                           1.0, accelerator, policy_version=0)
+batch = grpo_tools.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
+for row, mask in enumerate(masks):
+    batch["completion_mask"][row, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
+trainer, _ = grpo_tools.batched_logprobs(model, batch, 1.0, 8)
+mask = batch["completion_mask"].bool()
+called = [i for i, c in enumerate(completions) if c["calls"]]
+answered = [i for i in called if masks[i][-1] == 1]  # a model turn after the tool's output
+print(json.dumps({"calls": len(called), "answered_after_call": len(answered), "pushes": len(pushes),
+                  "gap": (batch["engine_logp"] - trainer).abs()[mask].max().item(),
+                  "gap_after_call": max([(batch["engine_logp"][i] - trainer[i]).abs()[mask[i]].max().item()
+                                         for i in answered] or [0.0]),
+                  "tool_tokens": sum(len(m) - sum(m) for m in masks)}))
+"""
+
+
+def test_tool_rollouts_on_vllm(tmp_path):
+    """grpo_tools.py's vLLM path: generation stops at the tool's stop string, the code's output is appended and the
+    completion continues from prompt + turns so far, all turns from one weight push; the engine's log-probs of the
+    model's tokens, those after a tool's output included, match the trainer's on the whole multi-turn sequence."""
+    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", TOOL_ROLLOUT_CHECK], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["calls"] > 0 and result["answered_after_call"] > 0 and result["tool_tokens"] > 0, result
+    assert result["pushes"] == 1, result  # every turn sampled from the same weights
+    assert result["gap"] < 1e-3 and result["gap_after_call"] < 1e-3, result

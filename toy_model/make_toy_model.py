@@ -5,15 +5,24 @@ Deterministic: fixed seeds, one CPU thread. Run it again to rebuild the shipped 
     python -m toy_model.make_toy_model      # ~20 s on one CPU core
 The warm-up is deliberately short: the model samples the answer format reliably and gets some sums right, so RL has
 something to improve (python grpo.py raises the reward within minutes; see README.md).
+
+grpo_tools.py's default model, toy_model/tools/, is this model warmed up further on the toy_mul task (three-digit
+times two-digit products, which it cannot compute in its head), a fraction of the examples calling the Python tool
+(ToRA's convention, utils/tools.py) and the others guessing the product; the tool's output tokens are not trained:
+    python -m toy_model.make_toy_model --tools     # ~1 min on one CPU core, after the embedded model exists
 """
 
 import json
 import os
+import sys
 import time
 
 import torch
 
-from utils.tasks import TOY_MODEL_DIR, toy_problems
+from utils.tasks import TOY_MODEL_DIR, toy_mul_problems, toy_problems
+from utils.tools import TOOL_STOP
+
+TOOLS_MODEL_DIR = os.path.join(TOY_MODEL_DIR, "tools")
 
 SPECIAL_TOKENS = ["<pad>", "<eos>"]
 
@@ -81,14 +90,49 @@ def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, 
     model.eval()
 
 
-def main(out_dir=TOY_MODEL_DIR, steps=400):
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    tokenizer = build_tokenizer()
-    model = build_model(len(tokenizer))
-    start = time.time()
-    warm_up(model, tokenizer, seconds_budget_steps=steps)
-    print(f"warm-up took {time.time() - start:.1f} s; {sum(p.numel() for p in model.parameters())} parameters")
+def tool_demo(prompt, call):
+    """toy_mul's demonstrations as (text, trained) pieces: one tool call, then the answer copied from its output; or
+    the answer guessed directly. The tool's output is the environment's: not trained."""
+    a, b = prompt[:-1].split("*")
+    answer = f"<answer>{int(a) * int(b)}</answer>"
+    if not call:
+        return [(answer, True)]
+    return [(f"```python\nprint({a}*{b})\n```\n{TOOL_STOP}", True), (f"\n{int(a) * int(b)}\n```\n", False),
+            (answer, True)]
+
+
+def warm_up_tools(model, tokenizer, steps, batch_size=64, lr=3e-3, seed=0, call_fraction=0.3):
+    """Supervised warm-up on toy_mul train problems: loss on the model's pieces only (tool output and prompt masked)."""
+    rows = toy_mul_problems("train")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
+        calls = (torch.rand(batch_size, generator=gen) < call_fraction).tolist()
+        ids, labels = [], []
+        for i, call in zip(idx, calls):
+            seq = tokenizer(rows[i]["prompt"])["input_ids"]
+            lab = [-100] * len(seq)
+            for text, trained in tool_demo(rows[i]["prompt"], call):
+                piece = tokenizer(text)["input_ids"]
+                seq, lab = seq + piece, lab + (piece if trained else [-100] * len(piece))
+            ids.append(seq + [1])
+            lab.append(1)
+            labels.append(lab)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([s + [0] * (width - len(s)) for s in ids])
+        label_ids = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+        loss = model(input_ids=input_ids, labels=label_ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            print(f"tool warm-up step {step} loss {loss.item():.3f}")
+    model.eval()
+
+
+def save(model, tokenizer, out_dir):
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -101,5 +145,31 @@ def main(out_dir=TOY_MODEL_DIR, steps=400):
         json.dump(cfg, f, indent=2)
 
 
+def main_tools(out_dir=TOOLS_MODEL_DIR, steps=1200, base=TOY_MODEL_DIR):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    start = time.time()
+    # mostly calls first (copying operands and output takes practice), then few: the rate RL starts from is low
+    warm_up_tools(model, tokenizer, steps=steps, call_fraction=0.7)
+    warm_up_tools(model, tokenizer, steps=steps // 8, lr=1e-3, seed=1, call_fraction=0.2)
+    print(f"tool warm-up took {time.time() - start:.1f} s")
+    save(model, tokenizer, out_dir)
+
+
+def main(out_dir=TOY_MODEL_DIR, steps=400):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer))
+    start = time.time()
+    warm_up(model, tokenizer, seconds_budget_steps=steps)
+    print(f"warm-up took {time.time() - start:.1f} s; {sum(p.numel() for p in model.parameters())} parameters")
+    save(model, tokenizer, out_dir)
+
+
 if __name__ == "__main__":
-    main()
+    main_tools() if "--tools" in sys.argv[1:] else main()

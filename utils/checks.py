@@ -4,7 +4,7 @@ one-line ValueError that says what to change. A script adds its own algorithm's 
 import math
 
 from utils.models import gguf_file, resolve_model
-from utils.tasks import check_model, check_task, is_toy_shaped
+from utils.tasks import TOY_TASKS, check_model, check_task, is_toy_shaped
 
 POSITIVE = ("num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs", "learning_rate",
             "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm", "reward_timeout", "eval_samples",
@@ -28,7 +28,7 @@ def resolve_args(args, check_algorithm_args, num_processes=1):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.task == "toy":
+    if args.task in TOY_TASKS:
         args.answer_format = "answer_tags"
     check_args(args, num_processes)
     check_algorithm_args(args, num_processes)
@@ -64,11 +64,13 @@ def check_args(args, num_processes=1):
                          f"{args.num_minibatches} mini-batches of whole --micro_batch_size {args.micro_batch_size} chunks")
 
 
-def check_lengths(args):
-    """Prompt plus completion must fit the model's positions (reads the model's config: after check_model)."""
+def check_lengths(args, tool_tokens=0):
+    """Prompt plus completion (plus tool output, grpo_tools.py) must fit the model's positions (reads the model's
+    config: after check_model)."""
     from transformers import AutoConfig
 
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
-    if limit is not None and args.max_prompt_length + args.max_new_tokens > limit:
-        raise ValueError(f"--max_prompt_length {args.max_prompt_length} + --max_new_tokens {args.max_new_tokens} "
-                         f"exceeds the model's {limit} positions: lower one of them")
+    if limit is not None and args.max_prompt_length + args.max_new_tokens + tool_tokens > limit:
+        raise ValueError(f"--max_prompt_length {args.max_prompt_length} + --max_new_tokens {args.max_new_tokens}"
+                         + (f" + tool output {tool_tokens} (--max_turns * --max_tool_tokens)" if tool_tokens else "")
+                         + f" exceeds the model's {limit} positions: lower one of them")

@@ -18,7 +18,7 @@ class Sample(NamedTuple):
 
 @torch.no_grad()
 def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, stop_ids,
-                budgets=None, groups=None, groups_needed=None, stats=None):
+                budgets=None, groups=None, groups_needed=None, stats=None, stop_strings=()):
     """Decode with the policy's forward pass and KV cache: each prompt prefilled once for its n completions, finished
     rows dropped from the batch, so a step costs the completions still running (2.1x faster than transformers'
     generate() on the toy: benchmarks/hf_decode.py). Under FSDP every rank runs every forward pass: a finished rank
@@ -28,7 +28,9 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     For partial rollouts (grpo_async.py): budgets gives each output row its own token limit (a continued completion
     has fewer tokens left; default max_new_tokens); with groups (a group id per output row) and groups_needed, decoding
     stops as soon as that many groups have every row finished, and the other rows come back with the tokens they
-    have and finished=False. A dict `stats` gets "decode_calls", the forward passes run."""
+    have and finished=False. A dict `stats` gets "decode_calls", the forward passes run. stop_strings end a completion
+    whose decoded text reaches one, as vLLM's stop strings do (grpo_tools.py: the end of a code block); its tokens are
+    kept."""
     from transformers import DynamicCache
 
     unwrapped, device, total = accelerator.unwrap_model(model), accelerator.device, len(prompts) * n
@@ -40,6 +42,8 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     tokens = torch.full((total + 1, max_new_tokens), tokenizer.pad_token_id, device=device)  # row `total`: dummy's
     logprobs = torch.zeros(total + 1, max_new_tokens, device=device)
     lengths = torch.full((total + 1,), -1, device=device)  # set when a row ends (stop token or budget), else -1
+    cut = torch.zeros(total + 1, dtype=torch.bool, device=device)  # ended by its budget, not by a stop token or string
+    stop_width = max(map(len, stop_strings), default=0)  # every token decodes to >= 1 character: enough tokens
     budget = torch.tensor([*(budgets or [max_new_tokens] * total), max_new_tokens], device=device)
     if groups_needed:  # rows still running per group; a group is complete at 0
         group_of = torch.tensor([*groups, -1], device=device)
@@ -58,8 +62,12 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
             token, token_logp = sample_tokens(logits, temperature, top_p) if temperature > 0 else (
                 logits.argmax(-1), torch.zeros(len(logits), device=device))
             tokens[rows, t], logprobs[rows, t] = token, token_logp
-            ended = (torch.isin(token, stop_tensor) | (t + 1 >= budget[rows])) & (rows < total)
-            lengths[rows[ended]] = t + 1
+            stopped = torch.isin(token, stop_tensor)
+            if stop_strings:  # only the newest tokens can complete one: an earlier one would have ended the row
+                tails = tokenizer.batch_decode(tokens[rows, max(0, t + 1 - stop_width):t + 1].tolist())
+                stopped |= torch.tensor([any(s in tail for s in stop_strings) for tail in tails], device=device)
+            ended = (stopped | (t + 1 >= budget[rows])) & (rows < total)
+            lengths[rows[ended]], cut[rows[ended]] = t + 1, ~stopped[ended]
             running = ~ended & (rows < total)
             if groups_needed:
                 rows_left.index_add_(0, group_of[rows[ended]], -torch.ones_like(rows[ended]))
@@ -81,9 +89,9 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
         stats["decode_calls"] = t + 1
     finished = lengths[:total] >= 0
     lengths = torch.where(finished, lengths[:total], t + 1)  # an unfinished row has every step's token
-    return [Sample(ids[:length], lps[:length] if temperature > 0 else None, done and ids[length - 1] not in stop_ids,
-                   done) for ids, lps, length, done in zip(tokens[:total].tolist(), logprobs[:total].tolist(),
-                                                           lengths.tolist(), finished.tolist())]
+    return [Sample(ids[:length], lps[:length] if temperature > 0 else None, truncated, done) for ids, lps, length,
+            truncated, done in zip(tokens[:total].tolist(), logprobs[:total].tolist(), lengths.tolist(),
+                                   cut[:total].tolist(), finished.tolist())]
 
 
 def sample_tokens(logits, temperature, top_p):

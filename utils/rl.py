@@ -255,8 +255,11 @@ def micro_batches(batch, rows, micro_batch_size):
     completion: with lengths sorted, no pass pads a 10-token completion to the batch's 48 (that compute was about half
     of the trainer's on the toy). Which rows share a micro-batch does not change the accumulated gradient. Yields
     (the micro-batch's rows, the micro-batch); [prompt | completion] tensors are cut after prompt_width + width, the
-    per-token (B, T) ones after width."""
-    lengths, order = torch.sort(batch["completion_mask"][rows].sum(-1), stable=True)
+    per-token (B, T) ones after width. A completion's length is its last masked-in token's position + 1 (tool output
+    in grpo_tools.py is masked out between trained tokens)."""
+    mask = batch["completion_mask"][rows]
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
+    lengths, order = torch.sort((mask * positions).amax(-1), stable=True)
     widths = lengths[micro_batch_size - 1::micro_batch_size].tolist() + lengths[-1:].tolist()  # one host sync
     for chunk, width in zip(rows[order].split(micro_batch_size), widths):
         width = max(1, int(width))  # >= 1: DAPO's filtering can mask whole rows

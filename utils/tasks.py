@@ -1,6 +1,8 @@
 """Tasks: lists of {"prompt", "answer"} rows for training and evaluation.
 
 - "toy": zero-padded two-digit addition, the embedded default ("07+45=" -> "<answer>052</answer>").
+- "toy_mul": three-digit times two-digit multiplication ("347*86=" -> "<answer>29842</answer>"), grpo_tools.py's
+  default: the embedded model cannot multiply in its head, but can with one call of the Python tool.
 - "gsm8k" (openai/gsm8k, config main), "math" (train DigitalLearningGmbH/MATH-lighteval, test HuggingFaceH4/MATH-500),
   loaded with `datasets`.
 - a local .jsonl/.json/.parquet file, or a folder holding train.* and test.* files. Rows are read through the same
@@ -46,6 +48,17 @@ def toy_problems(split):
     chosen = order[:500] if split == "test" else order[500:]
     prompts = [(f"{i // 100:02d}+{i % 100:02d}=", f"{i // 100 + i % 100:03d}") for i in sorted(chosen)]
     return [{"prompt": prompt, "question": prompt, "answer": answer} for prompt, answer in prompts]
+
+
+def toy_mul_problems(split):
+    """All 81,000 a*b problems (a three digits, b two), 500 held out for evaluation by a fixed permutation."""
+    order = np.random.default_rng(1234).permutation(81_000)
+    chosen = order[:500] if split == "test" else order[500:]
+    pairs = [(100 + i // 90, 10 + i % 90) for i in sorted(chosen)]
+    return [{"prompt": f"{a}*{b}=", "question": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
+
+
+TOY_TASKS = {"toy": toy_problems, "toy_mul": toy_mul_problems}  # raw prompts, answers in tags, exact match
 
 
 def is_toy_shaped(model):
@@ -120,13 +133,13 @@ def rg_rows(task, split):
 
 def check_task(task):
     """Fail fast on a task that is neither a known name nor an existing local file/folder."""
-    if task == "toy" or task in HUB_TASKS:
+    if task in TOY_TASKS or task in HUB_TASKS:
         return
     if task.startswith("rg:"):
         rg_dataset(task, seed=0, size=1)
         return
     if not os.path.exists(task):
-        raise ValueError(f"unknown task {task!r}: use toy, gsm8k, math, rg:NAME (reasoning-gym), or a path to a "
+        raise ValueError(f"unknown task {task!r}: use toy, toy_mul, gsm8k, math, rg:NAME (reasoning-gym), or a path to a "
                          ".jsonl/.parquet file or folder")
     if os.path.isfile(task) and os.path.splitext(task)[1] not in DATA_EXTENSIONS:
         raise ValueError(f"task file {task!r}: expected one of {sorted(DATA_EXTENSIONS)}")
@@ -217,31 +230,34 @@ def normalize_rows(rows, source):
     return out, dropped
 
 
-def format_prompt(tokenizer, question, answer_format, instruction="system"):
+def format_prompt(tokenizer, question, answer_format, instruction="system", tool_instruction=""):
     """The chat template with an instruction asking for a checkable answer: as a system turn ("system", the Qwen2.5-Math
     and DeepSeek convention), or after the question in the user turn, naming where the answer goes ("user": the
-    model's own default system prompt, if its template has one, is kept). Raw text for template-less models."""
+    model's own default system prompt, if its template has one, is kept); tool_instruction (grpo_tools.py: how to
+    call the tool) goes before it. Raw text for template-less models."""
     if getattr(tokenizer, "chat_template", None) is None:
         return question
+    tool = f"{tool_instruction} " if tool_instruction else ""
     if instruction == "user":
-        messages = [{"role": "user", "content": f"{question.rstrip()}\n{USER_INSTRUCTIONS[answer_format]}"}]
+        messages = [{"role": "user", "content": f"{question.rstrip()}\n{tool}{USER_INSTRUCTIONS[answer_format]}"}]
     else:
-        messages = [{"role": "system", "content": SYSTEM_PROMPTS[answer_format]}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": tool + SYSTEM_PROMPTS[answer_format]},
+                    {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500,
-              instruction="system"):
+              instruction="system", tool_instruction=""):
     """Rows {"prompt" (formatted text), "question" (as in the data), "answer"} and counts {"dropped_gold", "dropped_long"}.
 
     A single local file has no test split: its last 10 % of rows (at least one, at most `eval_size`) are held out.
     """
-    if task == "toy":
-        return toy_problems(split), {"dropped_gold": 0, "dropped_long": 0}
+    if task in TOY_TASKS:
+        return TOY_TASKS[task](split), {"dropped_gold": 0, "dropped_long": 0}
     if task.startswith("rg:"):
         entries, overlap = rg_rows(task, split)
         rows = [{"prompt": entry["question"], "answer": str(entry["answer"]), "entry": entry} for entry in entries]
-        kept = _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction)
+        kept = _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction, tool_instruction)
         return kept, {"dropped_in_test": overlap, "dropped_long": len(rows) - len(kept)}
     data = _load_split(task, split)
     if len(data) == 0:
@@ -253,25 +269,26 @@ def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=5
         cut = len(data) - n_test
         data = data.select(range(cut, len(data)) if split == "test" else range(cut))
     rows, dropped_gold = normalize_rows(data, task)
-    kept = _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction)
+    kept = _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction, tool_instruction)
     return kept, {"dropped_gold": dropped_gold, "dropped_long": len(rows) - len(kept)}
 
 
-def _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction):
+def _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction, tool_instruction=""):
     """Rows {"prompt" (formatted text), "question" (as in the data), "answer", ...} whose prompt fits."""
-    prompts = [format_prompt(tokenizer, row["prompt"], answer_format, instruction) for row in rows]
+    prompts = [format_prompt(tokenizer, row["prompt"], answer_format, instruction, tool_instruction) for row in rows]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]] if prompts else []
     return [{**row, "prompt": prompt, "question": row["prompt"]}
             for row, prompt, length in zip(rows, prompts, lengths) if length <= max_prompt_length]
 
 
-def load_splits(args, tokenizer, num_processes):
+def load_splits(args, tokenizer, num_processes, tool_instruction=""):
     """The run's train and test rows (none for --eval_only), each checked against the run's sizes, and a one-line
-    summary of what was dropped at load time."""
+    summary of what was dropped at load time. tool_instruction: see format_prompt."""
     test, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
-                                  args.eval_size, args.instruction)
-    train, train_counts = ([], {}) if args.eval_only else load_task(
-        args.task, "train", tokenizer, args.answer_format, args.max_prompt_length, args.eval_size, args.instruction)
+                                  args.eval_size, args.instruction, tool_instruction)
+    train, train_counts = ([], {}) if args.eval_only else load_task(args.task, "train", tokenizer, args.answer_format,
+                                                                    args.max_prompt_length, args.eval_size,
+                                                                    args.instruction, tool_instruction)
     if not args.eval_only and len(train) < args.prompts_per_step:
         raise ValueError(f"only {len(train)} train prompts: lower --prompts_per_step below that")
     if (args.eval_every or args.eval_only) and len(test) < num_processes:

@@ -1,0 +1,192 @@
+"""grpo_tools.py: the sandbox survives hostile code, the HF decode loop stops at the tool's stop string, tool output is
+in the context but out of the gradient, a rollout's turns are laid out as the model and the tool produced them, and
+the script runs end to end with 2 processes and resumes."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import grpo_tools
+from tests.helpers import ROOT, SMALL, resolved, run_grpo
+from utils.hf_engine import hf_generate
+from utils.rl import make_batch, micro_batches
+from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block
+
+TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
+HOSTILE = {  # each costs its call an error message, and the run nothing
+    "infinite loop": ("while True:\n    pass", "TimeoutError"),
+    "fork bomb": ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),
+    "subprocess": ("import subprocess\nsubprocess.run(['true'])", "BlockingIOError"),
+    "memory bomb": ("x = bytearray(8 * 2**30)", "MemoryError"),
+    "huge print": ("print('x' * 10**7)", ""),  # capped, not an error
+    "print loop": ("while True:\n    print('x' * 1000)", "TimeoutError"),
+    "big file": ("open('f', 'w').write('x' * 10**8)", "File too large"),
+    "C-level hang": ("import re\nre.match(r'(a+)+$', 'a' * 64 + 'b')", "TimeoutError"),  # no signal stops it
+    "exit": ("raise SystemExit(3)", "SystemExit: 3"),
+    "syntax": ("print(1", "SyntaxError"),
+}
+
+
+def test_the_sandbox_survives_hostile_code(tmp_path):
+    before = set(os.listdir(tmp_path))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # a relative write must not land in the trainer's folder
+    try:
+        with PythonSandbox(num_workers=2, timeout=1.0, max_output_chars=100) as sandbox:
+            start = time.time()
+            results = sandbox.run([code for code, _ in HOSTILE.values()] + ["open('g', 'w').write('x')\nprint(6 * 7)"])
+            elapsed = time.time() - start
+            for (name, (_, expected)), (output, error) in zip(HOSTILE.items(), results):
+                assert expected in error if expected else not error, (name, output, error)
+            assert results[4][0] == "x" * 101  # the huge print: capped at max_output_chars (+1 to show the cut)
+            assert results[-1] == ("42\n", "")  # writing a small file in its own folder works
+            assert sandbox.run(["import os\nprint(os.listdir('.'))"]) == [("[]\n", "")]  # a fresh folder per call
+            assert sandbox.run(["print(sum(range(10)))"] * 8) == [("45\n", "")] * 8  # killed processes were replaced
+            assert elapsed < 30  # four 1 s time-outs on two processes, not a hang
+    finally:
+        os.chdir(cwd)
+    assert set(os.listdir(tmp_path)) == before
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    assert len(children) <= 2, children  # no orphans of the fork bomb (the reward/forkserver helpers at most)
+
+
+def test_code_and_output_blocks():
+    text = "x ```python\nprint(1)\n```\nthen ```python\nprint(347 * 86)\n```\n" + TOOL_STOP
+    assert last_code_block(text) == "print(347 * 86)"
+    assert last_code_block("no code " + TOOL_STOP) is None
+    assert output_block("29842\n", "", 100) == "\n29842\n```\n"
+    assert output_block("partial\n", "ValueError: bad", 100) == "\npartial\nValueError: bad\n```\n"
+    assert output_block("y" * 50, "", 10) == "\n" + "y" * 10 + "\n... (output truncated)\n```\n"
+    from utils.models import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(TOOLS_MODEL)
+    ids = grpo_tools.tool_output_ids(tokenizer, "z" * 500, "RuntimeError: late", 60)
+    text = tokenizer.decode(ids)
+    assert len(ids) == 60 and text.endswith("RuntimeError: late\n```\n") and "truncated" in text, text
+
+
+def test_hf_decode_loop_stops_at_the_tool_stop_string():
+    from accelerate import Accelerator
+
+    from utils.models import load_tokenizer
+    from utils.tasks import toy_mul_problems
+
+    torch.manual_seed(0)
+    tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
+    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), Accelerator(cpu=True), tokenizer).eval()
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
+    samples = hf_generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96, Accelerator(cpu=True), stop_ids,
+                          stop_strings=[TOOL_STOP])
+    called = 0
+    for sample in samples:
+        text = tokenizer.decode(sample.token_ids)
+        if sample.token_ids[-1] in stop_ids:
+            assert TOOL_STOP not in text and not sample.truncated
+        elif not sample.truncated:  # stopped by the string: it ends the text, and appears nowhere before
+            called += 1
+            assert text.endswith(TOOL_STOP) and text.count(TOOL_STOP) == 1, text
+        else:
+            assert len(sample.token_ids) == 96
+    assert called > 0
+
+
+def test_tool_output_is_context_not_action():
+    """Tool output is masked out of the loss: changing the output tokens at a completion's end (nothing after them
+    attends to them) leaves the gradient unchanged; without the mask it would change. Between two turns, the output
+    does change the later tokens' log-probs (it is their context), as it should. micro_batches cuts each row after its
+    last model token, not after mask.sum() tokens."""
+    from accelerate import Accelerator
+
+    from utils.models import load_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer, _ = load_tokenizer(TOOLS_MODEL)
+    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), Accelerator(cpu=True), tokenizer)
+    prompt = tokenizer("347*86=")["input_ids"]
+    model_turn = tokenizer("```python\nprint(347*86)\n```\n" + TOOL_STOP)["input_ids"]
+
+    def gradient(output, masked=True):
+        ids = model_turn + tokenizer(output)["input_ids"]
+        mask = [1] * len(model_turn) + [0 if masked else 1] * (len(ids) - len(model_turn))
+        sample = grpo_tools.Sample(ids, [0.0] * len(ids), False)
+        batch = make_batch([prompt], [sample], tokenizer.pad_token_id, "cpu")
+        batch["completion_mask"][0] = torch.tensor(mask, dtype=torch.float32)
+        model.zero_grad()
+        logp, _ = grpo_tools.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["prompt_width"],
+                                            1.0)
+        loss, _, _ = grpo_tools.compute_loss(logp, logp.detach() - 0.1, torch.tensor([1.0]),
+                                             batch["completion_mask"], clip_eps_high=0.5)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    right, wrong = gradient("\n29842\n```\n"), gradient("\n11111\n```\n")
+    assert torch.allclose(right, wrong, rtol=0, atol=1e-7)  # causal attention: equal up to kernel rounding
+    assert not torch.allclose(gradient("\n29842\n```\n", masked=False), gradient("\n11111\n```\n", masked=False),
+                              atol=1e-4)
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
+    batch = {"completion_mask": mask, "input_ids": torch.zeros(2, 8, dtype=torch.long), "prompt_width": 2}
+    widths = [mc["completion_mask"].shape[1] for _, mc in micro_batches(batch, torch.arange(2), 1)]
+    assert widths == [3, 5]  # the second row's model tokens end at position 5
+
+
+def test_a_rollout_lays_out_model_and_tool_tokens():
+    """HF engine, real sandbox: model tokens are sampled (their log-probs kept), tool tokens are the output block of
+    the code the model wrote, at most max_turns calls, at most max_new_tokens model tokens; the reward text is the
+    model's own."""
+    from accelerate import Accelerator
+
+    from utils.models import load_tokenizer
+    from utils.tasks import toy_mul_problems
+
+    torch.manual_seed(0)
+    args = resolved(grpo_tools, model=TOOLS_MODEL, max_new_tokens=96, max_turns=1, engine="hf")
+    accelerator = Accelerator(cpu=True)
+    tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
+    model = grpo_tools.load_model(args, accelerator, tokenizer).eval()
+    engine = grpo_tools.create_engine(args, accelerator, stop_ids)
+    rows = toy_mul_problems("test")[:16]
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
+    with PythonSandbox(num_workers=1, timeout=5.0) as sandbox:
+        samples, masks, completions, _, _ = grpo_tools.rollout(args, engine, model, tokenizer, sandbox, prompts, 4,
+                                                               1.0, 1.0, accelerator, policy_version=0)
+    assert sum(c["calls"] for c in completions) > 0
+    for i, (sample, mask, c) in enumerate(zip(samples, masks, completions)):
+        assert len(sample.token_ids) == len(mask) == len(sample.logprobs) and sum(mask) <= 96 and c["calls"] <= 1
+        tool = [t for t, m in zip(sample.token_ids, mask) if not m]
+        assert all(lp == 0.0 for lp, m in zip(sample.logprobs, mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(sample.logprobs, mask) if m)  # sampled at T=1: never log-prob 0
+        if c["calls"]:
+            code = last_code_block(tokenizer.decode(sample.token_ids[:mask.index(0)]))
+            if code == f"print({rows[i // 4]['prompt'][:-1]})":  # the model copied the question: the product comes back
+                a, b = rows[i // 4]["prompt"][:-1].split("*")
+                assert tokenizer.decode(tool) == output_block(f"{int(a) * int(b)}\n", "", 512)
+        else:
+            assert not tool
+        assert grpo_tools.model_text(tokenizer, sample, mask) == tokenizer.decode(
+            [t for t, m in zip(sample.token_ids, mask) if m], skip_special_tokens=True)
+
+
+def test_tool_arguments():
+    for overrides, message in [({"max_turns": -1}, "--max_turns"), ({"max_tool_tokens": 4}, "--max_tool_tokens"),
+                               ({"tool_timeout": 0}, "--tool_timeout")]:
+        with pytest.raises(ValueError, match=message):
+            resolved(grpo_tools, model=TOOLS_MODEL, **overrides)
+
+
+@pytest.mark.slow
+def test_two_processes_and_resume(tmp_path):
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    flags = ["--eval_every", "2", "--save_every", "1", "--max_turns", "1", *SMALL]
+    proc, rows = run_grpo(["--total_steps", "2", *flags], tmp_path, launcher=launcher, script="grpo_tools.py")
+    assert [r["step"] for r in rows] == [1, 2] and "2 process(es)" in proc.stdout
+    assert all(0 <= r["tools/call_frac"] <= 1 and r["tools/calls_per_completion"] <= 1 for r in rows)
+    assert "eval/tool_calls_greedy" in rows[-1] and rows[-1]["eval/problems"] == 16
+    proc, rows = run_grpo(["--total_steps", "3", "--resume", *flags], tmp_path, launcher=launcher,
+                          script="grpo_tools.py")
+    assert "resumed from" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3]
