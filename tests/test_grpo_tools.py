@@ -55,18 +55,21 @@ def test_the_sandbox_survives_hostile_code(tmp_path):
 
 
 def test_code_and_output_blocks():
-    text = "x ```python\nprint(1)\n```\nthen ```python\nprint(347 * 86)\n```\n" + TOOL_STOP
+    text = "x ```python\nprint(1)\n```\nthen ```python\nprint(347 * 86)" + TOOL_STOP
     assert last_code_block(text) == "print(347 * 86)"
-    assert last_code_block("no code " + TOOL_STOP) is None
-    assert output_block("29842\n", "", 100) == "\n29842\n```\n"
-    assert output_block("partial\n", "ValueError: bad", 100) == "\npartial\nValueError: bad\n```\n"
-    assert output_block("y" * 50, "", 10) == "\n" + "y" * 10 + "\n... (output truncated)\n```\n"
+    assert last_code_block("no code:" + TOOL_STOP) is None
+    assert output_block("29842\n", "", 100) == "```output\n29842\n```\n"
+    assert output_block("partial\n", "ValueError: bad", 100) == "```output\npartial\nValueError: bad\n```\n"
+    assert output_block("y" * 50, "", 10) == "```output\n" + "y" * 10 + "\n... (output truncated)\n```\n"
     from utils.models import load_tokenizer
 
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
     ids = grpo_tools.tool_output_ids(tokenizer, "z" * 500, "RuntimeError: late", 60)
     text = tokenizer.decode(ids)
-    assert len(ids) == 60 and text.endswith("RuntimeError: late\n```\n") and "truncated" in text, text
+    assert len(ids) <= 60 and text.startswith("```output\nz") and "truncated" in text, text
+    assert text.endswith("RuntimeError: late\n```\n"), text
+    ids = grpo_tools.tool_output_ids(tokenizer, "", "E" * 500, 40)  # an error longer than the block: cut, fenced
+    assert len(ids) == 40 and tokenizer.decode(ids).endswith("EEE" + TOOL_STOP)
 
 
 def test_hf_decode_loop_stops_at_the_tool_stop_string():
@@ -107,7 +110,7 @@ def test_tool_output_is_context_not_action():
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
     model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), Accelerator(cpu=True), tokenizer)
     prompt = tokenizer("347*86=")["input_ids"]
-    model_turn = tokenizer("```python\nprint(347*86)\n```\n" + TOOL_STOP)["input_ids"]
+    model_turn = tokenizer("```python\nprint(347*86)" + TOOL_STOP)["input_ids"]
 
     def gradient(output, masked=True):
         ids = model_turn + tokenizer(output)["input_ids"]
@@ -123,10 +126,10 @@ def test_tool_output_is_context_not_action():
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    right, wrong = gradient("\n29842\n```\n"), gradient("\n11111\n```\n")
+    right, wrong = gradient(output_block("29842", "", 99)), gradient(output_block("11111", "", 99))
     assert torch.allclose(right, wrong, rtol=0, atol=1e-7)  # causal attention: equal up to kernel rounding
-    assert not torch.allclose(gradient("\n29842\n```\n", masked=False), gradient("\n11111\n```\n", masked=False),
-                              atol=1e-4)
+    assert not torch.allclose(gradient(output_block("29842", "", 99), masked=False),
+                              gradient(output_block("11111", "", 99), masked=False), atol=1e-4)
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
     batch = {"completion_mask": mask, "input_ids": torch.zeros(2, 8, dtype=torch.long), "prompt_width": 2}

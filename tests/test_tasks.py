@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from utils.tasks import TOY_MODEL_DIR, check_task, format_prompt, load_task, normalize_rows, toy_problems
+from utils.tasks import (TOY_MODEL_DIR, check_task, format_prompt, load_task, normalize_rows, toy_mul_problems,
+                         toy_problems)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,6 +46,9 @@ def test_toy_split_is_disjoint_and_complete():
     assert len(train) == 9500 and len(test) == 500
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert {"prompt": "07+45=", "question": "07+45=", "answer": "052"} in train + test
+    train, test = toy_mul_problems("train"), toy_mul_problems("test")
+    assert len(train) == 80_500 and len(test) == 500 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert {"prompt": "347*86=", "question": "347*86=", "answer": "29842"} in train + test
 
 
 def test_tokenizer_round_trips(tokenizer):
@@ -149,6 +153,11 @@ def test_toy_model_script_is_deterministic_and_matches_the_shipped_tokenizer(tmp
     assert open(tmp_path / "a" / "tokenizer.json").read() == open(os.path.join(TOY_MODEL_DIR, "tokenizer.json")).read()
     shipped = load_file(os.path.join(TOY_MODEL_DIR, "model.safetensors"))
     assert {k: v.shape for k, v in shipped.items()} == {k: v.shape for k, v in a.items()}
+    for name in ("tools_a", "tools_b"):  # the tool warm-up (grpo_tools.py's model), from the shipped model
+        make_toy_model.main_tools(str(tmp_path / name), steps=8)
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("tools_a", "tools_b"))
+    assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a["model.norm.weight"],
+                                                                       shipped["model.norm.weight"])
 
 
 def test_empty_malformed_and_tiny_files_say_what_is_wrong(tmp_path, tokenizer):
@@ -209,3 +218,8 @@ def test_instruction_placement():
     assert format_prompt(ChatTokenizer(), "What is 2+2?", "boxed", "user") == (
         "user: What is 2+2?\nGive the final answer as \\boxed{ANSWER}.")
     assert format_prompt(ChatTokenizer(), "What is 2+2?", "boxed").startswith("system: Please reason")
+    tool = "Use the tool."  # grpo_tools.py's instruction goes before the answer format's, in the same place
+    assert format_prompt(ChatTokenizer(), "What is 2+2?", "boxed", "user", tool) == (
+        "user: What is 2+2?\nUse the tool. Give the final answer as \\boxed{ANSWER}.")
+    assert format_prompt(ChatTokenizer(), "What is 2+2?", "boxed", "system", tool).startswith(
+        "system: Use the tool. Please reason")

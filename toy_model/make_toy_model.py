@@ -20,7 +20,7 @@ import time
 import torch
 
 from utils.tasks import TOY_MODEL_DIR, toy_mul_problems, toy_problems
-from utils.tools import TOOL_STOP
+from utils.tools import TOOL_STOP, output_block
 
 TOOLS_MODEL_DIR = os.path.join(TOY_MODEL_DIR, "tools")
 
@@ -97,7 +97,7 @@ def tool_demo(prompt, call):
     answer = f"<answer>{int(a) * int(b)}</answer>"
     if not call:
         return [(answer, True)]
-    return [(f"```python\nprint({a}*{b})\n```\n{TOOL_STOP}", True), (f"\n{int(a) * int(b)}\n```\n", False),
+    return [(f"```python\nprint({a}*{b}){TOOL_STOP}", True), (output_block(f"{int(a) * int(b)}\n", "", 512), False),
             (answer, True)]
 
 

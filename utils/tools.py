@@ -1,8 +1,8 @@
 """The tool of grpo_tools.py: a Python interpreter for code the policy writes, run in sandbox processes.
 
 The convention is ToRA's (arXiv 2309.17452) and Qwen2.5-Math's tool-integrated reasoning: the model writes a fenced
-```python block and opens the output block itself with ```output; generation stops at that string (TOOL_STOP), the
-block's code runs, and its output (capped) closes the block:
+```python block; generation stops where the block closes (TOOL_STOP, a line holding only the fence), the block's code
+runs, and the environment appends its output (capped) as an ```output block, after which the model continues:
 
     ```python
     print(347 * 86)
@@ -32,11 +32,11 @@ import signal
 import tempfile
 import traceback
 
-TOOL_STOP = "```output"  # the model opens the output block; generation stops here and the sandbox fills it
+TOOL_STOP = "\n```\n"  # a fence alone on its line: the end of a code block, where generation stops
 CODE_FENCE = "```python"
 NOBODY = 65534  # the unprivileged user a root trainer's sandbox processes become
-TOOL_INSTRUCTION = ("You can run Python: write code in a ```python block, close it, then write ```output and stop; "
-                    "the printed output will follow. Use print() to see values.")  # for chat models (format_prompt)
+TOOL_INSTRUCTION = ("Compute with Python when it helps: write a ```python block that prints what you need; it runs "
+                    "when the block closes, and its output follows in an ```output block.")  # for chat models
 
 
 def last_code_block(text):
@@ -50,11 +50,11 @@ def last_code_block(text):
 
 
 def output_block(output, error, max_chars):
-    """What the environment appends after TOOL_STOP: the output (its first max_chars characters) and the error's last
-    line, closing the block."""
+    """What the environment appends after a code block: its output (the first max_chars characters) and the error's
+    last line, in an ```output block."""
     text = output if len(output) <= max_chars else output[:max_chars] + "\n... (output truncated)"
     text = "\n".join(part.strip("\n") for part in (text, error) if part.strip())
-    return f"\n{text}\n```\n"
+    return f"```output\n{text}\n```\n"
 
 
 class _CappedText(io.TextIOBase):
