@@ -550,16 +550,13 @@ def tool_metrics(completions, accuracy, tool_time, accelerator):
     """The rollout's tool use over every process: completions that called (call_frac), calls per completion, the
     fraction of calls that failed, the model's and the tool's tokens per completion, and accuracy with and without a
     call (NaN when no completion falls in a group)."""
-    called = torch.tensor([c["calls"] > 0 for c in completions], dtype=torch.float64)
-    correct = torch.tensor(accuracy, dtype=torch.float64)
-    sums = accelerator.reduce(torch.stack([
-        torch.tensor(float(len(completions))), called.sum(), (correct * called).sum(), (correct * (1 - called)).sum(),
-        torch.tensor(float(sum(c["calls"] for c in completions))), torch.tensor(float(sum(c["errors"]
-                                                                                       for c in completions))),
-        torch.tensor(float(sum(sum(c["mask"]) for c in completions))),
-        torch.tensor(float(sum(len(c["mask"]) - sum(c["mask"]) for c in completions)))]).to(accelerator.device),
-        reduction="sum").tolist()
-    n, n_called, right_called, right_direct, calls, errors, model_tokens, tool_tokens = sums
+    called = [c["calls"] > 0 for c in completions]
+    model_tokens = sum(sum(c["mask"]) for c in completions)
+    counts = [len(completions), sum(called), sum(a for a, k in zip(accuracy, called) if k),
+              sum(a for a, k in zip(accuracy, called) if not k), sum(c["calls"] for c in completions),
+              sum(c["errors"] for c in completions), model_tokens, sum(len(c["mask"]) for c in completions) - model_tokens]
+    n, n_called, right_called, right_direct, calls, errors, model_tokens, tool_tokens = accelerator.reduce(
+        torch.tensor(counts, dtype=torch.float64, device=accelerator.device), reduction="sum").tolist()
     nan = float("nan")
     return {"tools/call_frac": n_called / n, "tools/calls_per_completion": calls / n,
             "tools/error_frac": errors / calls if calls else nan, "tools/model_tokens": model_tokens / n,
