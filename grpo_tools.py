@@ -38,7 +38,8 @@ from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advanta
 from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
                         quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, is_toy_shaped, load_splits
-from utils.tools import TOOL_INSTRUCTION, TOOL_STOP, PythonSandbox, last_code_block, output_block
+from utils.tools import (TOOL_INSTRUCTION, TOOL_STOP, PythonSandbox, last_code_block, tool_metrics,
+                         tool_output_ids)
 
 
 @dataclass
@@ -182,10 +183,11 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
                  num_tokens=None, max_len=None):
     """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
 
-    logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,); mask is 0 on tool output and padding. num_seqs/num_tokens are the counts of the
-    whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give
-    the mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same global
-    num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean; `maxes` are maxima.
+    logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,); mask is 0 on tool output and padding.
+    num_seqs/num_tokens are the counts of the whole mini-batch over micro-batches and processes (default: this
+    micro-batch), so summed micro-batch losses give the mini-batch loss exactly. Returns (loss, means, maxes): `means`
+    are token means divided by the same global num_tokens, so they too add up over micro-batches and processes to the
+    exact mini-batch mean; `maxes` are maxima.
     """
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     num_tokens = mask.sum() if num_tokens is None else num_tokens
@@ -282,7 +284,8 @@ def create_engine(args, accelerator, stop_ids):
 
     on_gpu = torch.cuda.is_available()
     extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
-        "kv_cache_memory_bytes": 256 * 2**20}  # CPU build: no sleep mode, small explicit KV cache
+        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
+    # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
     llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
               dtype="bfloat16" if on_gpu else "float32",
               max_model_len=args.max_prompt_length + args.max_new_tokens + args.max_turns * args.max_tool_tokens,
@@ -399,21 +402,6 @@ def rollout(args, engine, model, tokenizer, sandbox, prompts, n, temperature, to
     sleep_engine(engine)
     samples = [Sample(c["ids"], c["logprobs"] if temperature > 0 else None, c["truncated"]) for c in completions]
     return samples, [c["mask"] for c in completions], completions, sync_time, tool_time
-
-
-def tool_output_ids(tokenizer, output, error, max_tokens):
-    """The output block's tokens, at most max_tokens: a long output is halved until the block fits, keeping its error
-    line and closing fence (an error too long for the block is cut, the fence kept)."""
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    chars = len(output)
-    while True:
-        ids = encode(output_block(output, error, chars))
-        if len(ids) <= max_tokens:
-            return ids
-        if chars == 0:
-            fence = encode(TOOL_STOP)
-            return ids[:max_tokens - len(fence)] + fence
-        chars //= 2
 
 
 def model_text(tokenizer, sample, mask):
@@ -544,25 +532,6 @@ def update_policy(args, model, optimizer, batch, accelerator):
 
 CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "tools/call_frac", "tools/error_frac", "losses/kl",
                 "rollout/logprob_gap_max", "eval/pass@1_greedy"]
-
-
-def tool_metrics(completions, accuracy, tool_time, accelerator):
-    """The rollout's tool use over every process: completions that called (call_frac), calls per completion, the
-    fraction of calls that failed, the model's and the tool's tokens per completion, and accuracy with and without a
-    call (NaN when no completion falls in a group)."""
-    called = [c["calls"] > 0 for c in completions]
-    model_tokens = sum(sum(c["mask"]) for c in completions)
-    counts = [len(completions), sum(called), sum(a for a, k in zip(accuracy, called) if k),
-              sum(a for a, k in zip(accuracy, called) if not k), sum(c["calls"] for c in completions),
-              sum(c["errors"] for c in completions), model_tokens, sum(len(c["mask"]) for c in completions) - model_tokens]
-    n, n_called, right_called, right_direct, calls, errors, model_tokens, tool_tokens = accelerator.reduce(
-        torch.tensor(counts, dtype=torch.float64, device=accelerator.device), reduction="sum").tolist()
-    nan = float("nan")
-    return {"tools/call_frac": n_called / n, "tools/calls_per_completion": calls / n,
-            "tools/error_frac": errors / calls if calls else nan, "tools/model_tokens": model_tokens / n,
-            "tools/output_tokens": tool_tokens / n, "time/tools": tool_time,
-            "charts/accuracy_with_call": right_called / n_called if n_called else nan,
-            "charts/accuracy_without_call": right_direct / (n - n_called) if n > n_called else nan}
 
 
 def main(args):

@@ -76,8 +76,9 @@ def main():
     lines += ["", "Held-out greedy evaluation (`eval/problems` problems), before training and at the end:", "",
               "| seed | problems | pass@1 before | pass@1 end | calls per completion before | end | wall s (with "
               "evaluation) |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {seed} | {end['eval/problems']} | {before['eval/pass@1_greedy']:.3f} | {end['eval/pass@1_greedy']:.3f} "
-              f"| {before['eval/tool_calls_greedy']:.3f} | {end['eval/tool_calls_greedy']:.3f} | {wall:.0f} |"
+    lines += [f"| {seed} | {end['eval/problems']} | {before['eval/pass@1_greedy']:.3f} | "
+              f"{end['eval/pass@1_greedy']:.3f} | {before['eval/tool_calls_greedy']:.3f} | "
+              f"{end['eval/tool_calls_greedy']:.3f} | {wall:.0f} |"
               for seed, before, end, wall in summary]
     write_results(name, lines)
 

@@ -14,7 +14,7 @@ import grpo_tools
 from tests.helpers import ROOT, SMALL, resolved, run_grpo
 from utils.hf_engine import hf_generate
 from utils.rl import make_batch, micro_batches
-from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block
+from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
 HOSTILE = {  # each costs its call an error message, and the run nothing
@@ -64,11 +64,11 @@ def test_code_and_output_blocks():
     from utils.models import load_tokenizer
 
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
-    ids = grpo_tools.tool_output_ids(tokenizer, "z" * 500, "RuntimeError: late", 60)
+    ids = tool_output_ids(tokenizer, "z" * 500, "RuntimeError: late", 60)
     text = tokenizer.decode(ids)
     assert len(ids) <= 60 and text.startswith("```output\nz") and "truncated" in text, text
     assert text.endswith("RuntimeError: late\n```\n"), text
-    ids = grpo_tools.tool_output_ids(tokenizer, "", "E" * 500, 40)  # an error longer than the block: cut, fenced
+    ids = tool_output_ids(tokenizer, "", "E" * 500, 40)  # an error longer than the block: cut, fenced
     assert len(ids) == 40 and tokenizer.decode(ids).endswith("EEE" + TOOL_STOP)
 
 

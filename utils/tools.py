@@ -57,6 +57,44 @@ def output_block(output, error, max_chars):
     return f"```output\n{text}\n```\n"
 
 
+def tool_output_ids(tokenizer, output, error, max_tokens):
+    """The output block's tokens, which grpo_tools.py appends to the context: at most max_tokens, a long output halved
+    until the block fits, its error line and closing fence kept (an error too long for the block is cut, the fence
+    kept)."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    chars = len(output)
+    while True:
+        ids = encode(output_block(output, error, chars))
+        if len(ids) <= max_tokens:
+            return ids
+        if chars == 0:
+            fence = encode(TOOL_STOP)
+            return ids[:max_tokens - len(fence)] + fence
+        chars //= 2
+
+
+def tool_metrics(completions, accuracy, tool_time, accelerator):
+    """Tool use of a grpo_tools.py rollout (its completions, their accuracy) over every process: completions that
+    called (call_frac), calls per completion, the fraction of calls that failed, the model's and the tool's tokens per
+    completion, and accuracy with and without a call (NaN when no completion falls in a group)."""
+    import torch  # here, not at the top: the sandbox processes import this module and need no torch
+
+    called = [c["calls"] > 0 for c in completions]
+    model_tokens = sum(sum(c["mask"]) for c in completions)
+    counts = [len(completions), sum(called), sum(a for a, k in zip(accuracy, called) if k),
+              sum(a for a, k in zip(accuracy, called) if not k), sum(c["calls"] for c in completions),
+              sum(c["errors"] for c in completions), model_tokens,
+              sum(len(c["mask"]) for c in completions) - model_tokens]
+    n, n_called, right_called, right_direct, calls, errors, model_tokens, tool_tokens = accelerator.reduce(
+        torch.tensor(counts, dtype=torch.float64, device=accelerator.device), reduction="sum").tolist()
+    nan = float("nan")
+    return {"tools/call_frac": n_called / n, "tools/calls_per_completion": calls / n,
+            "tools/error_frac": errors / calls if calls else nan, "tools/model_tokens": model_tokens / n,
+            "tools/output_tokens": tool_tokens / n, "time/tools": tool_time,
+            "charts/accuracy_with_call": right_called / n_called if n_called else nan,
+            "charts/accuracy_without_call": right_direct / (n - n_called) if n > n_called else nan}
+
+
 class _CappedText(io.TextIOBase):
     """A stdout that keeps its first `cap` characters and drops the rest (a print loop cannot grow it)."""
 
