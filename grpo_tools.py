@@ -122,8 +122,6 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     """tokens of one tool output block at most (its text is cut to fit)"""
     tool_timeout: float = 5.0
     """seconds a tool call may run; past it, its sandbox process is killed and replaced, and the call gets an error"""
-    tool_workers: int = 0
-    """sandbox processes running the code (calls of a turn run in parallel); 0: as many as reward workers"""
     tool_memory_mb: int = 512
     """address-space limit of each sandbox process, on top of what it maps at start"""
 
@@ -562,7 +560,8 @@ def main(args):
     # The reward workers start now, before the models and the engine: they warm up while those load.
     scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
                           args.reward_timeout, args.reward_memory_mb)
-    sandbox = PythonSandbox(args.tool_workers or default_reward_workers(), args.tool_timeout, args.tool_memory_mb)
+    # as many sandbox processes as reward workers: a turn's calls run in parallel
+    sandbox = PythonSandbox(args.reward_workers or default_reward_workers(), args.tool_timeout, args.tool_memory_mb)
 
     model = load_model(args, accelerator, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
