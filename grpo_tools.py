@@ -305,9 +305,9 @@ def push_weights(engine, model, accelerator):
 
 
 def wake_engine(engine, model, accelerator, policy_version):
-    """Before a rollout: wake the engine and push the weights if they lag the policy (policy_version counts the training
-    steps the policy's weights include); returns the seconds spent pushing. Every turn of the rollout then samples from
-    these weights."""
+    """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
+    counts the training steps the weights include) -> seconds spent pushing. A rollout of several engine calls wakes
+    the engine once: every call then samples from the same weights."""
     llm, sync_time = engine["llm"], 0.0
     if llm is None:
         return sync_time
@@ -324,7 +324,7 @@ def wake_engine(engine, model, accelerator, policy_version):
 
 
 def sleep_engine(engine):
-    """After a rollout: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
+    """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
     if engine["llm"] is not None and engine["asleep"]:
         engine["llm"].sleep(level=engine["sleep_level"])
         if engine["sleep_level"] == 2:

@@ -273,15 +273,13 @@ def push_weights(engine, model, accelerator):
     engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
 
 
-def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
-    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
-    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+def wake_engine(engine, model, accelerator, policy_version):
+    """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
+    counts the training steps the weights include) -> seconds spent pushing. A rollout of several engine calls wakes
+    the engine once: every call then samples from the same weights."""
     llm, sync_time = engine["llm"], 0.0
     if llm is None:
-        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator,
-                           engine["stop_ids"]), sync_time
-    from vllm import SamplingParams
-
+        return sync_time
     if engine["asleep"]:
         llm.wake_up(tags=["weights"])
     if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
@@ -291,13 +289,31 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
     if engine["asleep"]:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
         llm.wake_up(tags=["kv_cache"])
+    return sync_time
+
+
+def sleep_engine(engine):
+    """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
+    if engine["llm"] is not None and engine["asleep"]:
+        engine["llm"].sleep(level=engine["sleep_level"])
+        if engine["sleep_level"] == 2:
+            engine["weights_version"] = None
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    llm = engine["llm"]
+    if llm is None:
+        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator,
+                           engine["stop_ids"]), 0.0
+    from vllm import SamplingParams
+
+    sync_time = wake_engine(engine, model, accelerator, policy_version)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
                             stop_token_ids=engine["stop_ids"])
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if engine["asleep"]:
-        llm.sleep(level=engine["sleep_level"])
-        if engine["sleep_level"] == 2:
-            engine["weights_version"] = None
+    sleep_engine(engine)
     return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
                    else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
 

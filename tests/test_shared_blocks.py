@@ -23,8 +23,8 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
     "Algorithm": "*",
     "Policy update": ("ppo.py",),  # the critic's value-loss step beside the policy's, on the same mini-batches
     "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop": (
-        "grpo_async.py",  # generate_partial: generation that stops once enough groups are complete
-        "grpo_tools.py"),  # one wake and weight push for all turns of a rollout; generation stops at the tool call
+        "grpo_async.py",  # + generate_partial: generation that stops once enough groups are complete
+        "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the rollout wakes the engine once
     "Evaluation": ("grpo_tools.py",),  # test completions may call the tool too
     "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
                       "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
@@ -90,6 +90,26 @@ def test_shared_blocks_are_identical_in_every_script():
     found = differences(texts, ALGORITHM_SPECIFIC)
     assert not found, "; ".join(f"block '{name}' differs in {', '.join(odd)} (fix it in every script, or declare it "
                                 f"algorithm-specific in tests/test_shared_blocks.py)" for name, odd in found)
+
+
+def test_functions_of_a_block_that_may_differ_are_identical_where_they_share_a_name():
+    """A block declared different may add or replace functions; a function of the same name is still one text
+    (grpo_tools.py's engine block samples turns with its own sample(), and wakes the engine with grpo.py's code)."""
+    function = re.compile(r"^def (\w+)\(.*?(?=^def |\Z)", re.MULTILINE | re.DOTALL)
+    for name, scripts in ALGORITHM_SPECIFIC.items():
+        if scripts == "*":
+            continue
+        texts = {script: {m.group(1): m.group(0).rstrip() for m in function.finditer(blocks(
+            open(os.path.join(ROOT, script)).read()).get(name, ""))} for script in SCRIPTS}
+        compared = 0
+        for script in scripts:
+            for func, text in texts[script].items():
+                if func in texts["grpo.py"] and func not in ("main", "evaluate", "update_policy") and (
+                        script, func) != ("grpo_tools.py", "create_engine"):  # its context holds tool output too
+                    assert text == texts["grpo.py"][func], f"{script}: {func}() differs from grpo.py's"
+                    compared += 1
+        if name.startswith("Rollout engine"):
+            assert compared >= 8, compared  # push_weights, wake_engine, sleep_engine, and the rest grpo_async.py shares
 
 
 def test_shared_args_fields_are_identical_in_every_script():
