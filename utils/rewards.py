@@ -298,7 +298,9 @@ class RewardScorer:
     """
 
     def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024, compare_numbers=True):
-        self.exact = task in ("toy", "toy_mul")  # utils/tasks.py TOY_TASKS: exact match of the tag content
+        from utils.tasks import TOY_TASKS  # here: utils/tasks.py imports this module
+
+        self.exact = task in TOY_TASKS  # exact match of the tag content
         self.rg_task = task if task.startswith("rg:") else None  # checked by reasoning-gym's own verifier
         self.compare_numbers = compare_numbers and not self.rg_task  # settle plain numbers here (False: every check
         # goes to the workers)
