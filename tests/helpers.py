@@ -10,6 +10,13 @@ SMALL = ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_siz
          "--eval_samples", "2", "--log_completions_every", "1"]
 
 
+def two_processes(port):
+    """The launcher of a 2-process CPU run (gloo): accelerate's --multi_gpu path (torchrun) starts several CPU
+    processes, `accelerate launch --cpu` one. Each test has its own port: one a test just closed may still be taken."""
+    return (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port))
+
+
 def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True, script="grpo.py"):
     """Run an algorithm script (grpo.py by default) with `args` into out_dir; returns (completed process, metrics rows
     of the run named exp_name)."""

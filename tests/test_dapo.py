@@ -6,14 +6,13 @@ and 2 processes."""
 import dataclasses
 import json
 import math
-import sys
 
 import pytest
 import torch
 
 import dapo
 import grpo
-from tests.helpers import SMALL, assert_same_loss_and_gradient, resolved, run_grpo
+from tests.helpers import SMALL, assert_same_loss_and_gradient, resolved, run_grpo, two_processes
 from tests.test_grpo_loss import random_batch
 from utils.checks import resolve_args
 
@@ -168,8 +167,7 @@ def test_give_up_path_trains_on_nothing_when_no_group_is_informative(tmp_path):
 def test_two_processes(tmp_path):
     """Each process keeps its own groups; the stop test and the trained count are collective, so both run the same
     rounds, train on as many groups, and the run ends (a rank waiting forever would hit the timeout)."""
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534")
+    launcher = two_processes(29534)
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--gen_prompts_per_step", "2", *DAPO_SMALL,
                         "--num_minibatches", "2"],
                        tmp_path, launcher=launcher, timeout=600, script="dapo.py")

@@ -3,13 +3,12 @@ prompt + tokens so far with their versions and engine log-probs, the on-policy l
 exactly), staleness bounds and metrics, an exact resume with the carried completions, and two processes."""
 
 import json
-import sys
 
 import pytest
 import torch
 
 import grpo_async
-from tests.helpers import SMALL, resolved, run_grpo
+from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import setup
 from utils.hf_engine import hf_generate
 
@@ -113,9 +112,7 @@ def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes(tmp_path):
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                "29541")
+    launcher = two_processes(29541)
     proc, rows = run_grpo(["--total_steps", "3", "--eval_every", "3", "--overprovision", "2", *SMALL,
                            "--micro_batch_size", "4"], tmp_path, launcher=launcher, script="grpo_async.py")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["eval/problems"] == 16

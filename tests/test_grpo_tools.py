@@ -4,14 +4,13 @@ the script runs end to end with 2 processes and resumes."""
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import grpo_tools
-from tests.helpers import ROOT, SMALL, resolved, run_grpo
+from tests.helpers import ROOT, SMALL, resolved, run_grpo, two_processes
 from utils.hf_engine import hf_generate
 from utils.rl import make_batch, micro_batches
 from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
@@ -183,8 +182,7 @@ def test_tool_arguments():
 
 @pytest.mark.slow
 def test_two_processes_and_resume(tmp_path):
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")
+    launcher = two_processes(29542)
     flags = ["--eval_every", "2", "--save_every", "1", "--max_turns", "1", *SMALL]
     proc, rows = run_grpo(["--total_steps", "2", *flags], tmp_path, launcher=launcher, script="grpo_tools.py")
     assert [r["step"] for r in rows] == [1, 2] and "2 process(es)" in proc.stdout

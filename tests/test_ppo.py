@@ -4,13 +4,12 @@ the on-policy identity, the adaptive KL controller, the zero-initialized critic,
 and beta restored) and end-to-end runs with 1 and 2 processes."""
 
 import json
-import sys
 
 import pytest
 import torch
 
 import ppo
-from tests.helpers import assert_same_loss_and_gradient, resolved, run_grpo
+from tests.helpers import assert_same_loss_and_gradient, resolved, run_grpo, two_processes
 from tests.test_grpo_loss import random_batch
 from tests.test_reinforce_pp import reference_loss  # the token-level surrogate as loops
 from utils.rl import explained_variance, masked_whiten, token_rewards
@@ -163,9 +162,7 @@ def test_one_process_and_exact_resume(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes(tmp_path):
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                "29535")
+    launcher = two_processes(29535)
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--save_every", "2", *PPO_SMALL], tmp_path,
                        launcher=launcher, script="ppo.py")
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/problems"] == 16

