@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import grpo
-from tests.helpers import ROOT, SMALL, resolved, run_grpo
+from tests.helpers import ROOT, SMALL, resolved, run_grpo, two_processes
 from utils.runs import find_checkpoint, step_metrics
 
 
@@ -209,8 +209,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
 def test_two_processes(tmp_path):
     """Two gloo processes: groups stay whole on each rank, normalizers and eval counts are global. accelerate's
     --multi_gpu launcher (torchrun) is what starts several CPU processes; `accelerate launch --cpu` starts one."""
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533")
+    launcher = two_processes(29533)
     proc, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--num_minibatches", "2", *SMALL,
                            "--micro_batch_size", "4"], tmp_path, launcher=launcher)
     assert proc.stdout.count("task toy:") == 1 and "2 process(es)" in proc.stdout  # one main process prints
@@ -242,10 +241,12 @@ def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
 
 @pytest.mark.slow
 def test_default_run_learns(tmp_path):
-    """The README's main job, `python grpo.py`: the mean reward of the last 5 steps beats the first 5 by >= 0.2."""
-    _, rows = run_grpo(["--eval_every", "0"], tmp_path, timeout=900)
+    """The README's main job, `python grpo.py`, its first 80 of 200 steps (the learning rate is constant: the same
+    steps): the mean reward of steps 76-80 beats steps 1-5 by >= 0.2 (`python grpo.py --eval_every 0 --total_steps
+    80 --seed S` gained 0.270, 0.295, 0.292 for seeds 1-3 on an AVX-512 machine)."""
+    _, rows = run_grpo(["--eval_every", "0", "--total_steps", "80"], tmp_path, timeout=900)
     rewards = [r["charts/reward"] for r in rows]
-    assert len(rewards) == 200
+    assert len(rewards) == 80
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, (rewards[:5], rewards[-5:])
 
 

@@ -4,12 +4,11 @@ folder; every run below loads it by its short name through that cache, with tiny
 
 import importlib.util
 import os
-import sys
 
 import pytest
 
 import grpo
-from tests.helpers import resolved, run_grpo
+from tests.helpers import resolved, run_grpo, two_processes
 from utils import models
 
 TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
@@ -82,7 +81,7 @@ def test_a_missing_model_package_says_how_to_install_it(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_hf_engine_trains_evaluates_checkpoints_and_resumes_exactly(tmp_path, cache):
-    _, rows = run(["--engine", "hf", "--total_steps", "2", "--save_every", "1", "--eval_every", "2"], tmp_path, cache)
+    _, rows = run(["--engine", "hf", "--total_steps", "2", "--save_every", "0", "--eval_every", "2"], tmp_path, cache)
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/problems"] == 4
     for r in rows:
         assert r["rollout/logprob_gap_max"] < 1e-3  # the decode loop samples from the trainer's own weights
@@ -91,7 +90,7 @@ def test_hf_engine_trains_evaluates_checkpoints_and_resumes_exactly(tmp_path, ca
     assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "chat_template.jinja").exists()
     proc, resumed = run(["--engine", "hf", "--total_steps", "3", "--eval_every", "0", "--resume"], tmp_path, cache)
     assert "resumed from" in proc.stdout and [r["step"] for r in resumed] == [1, 2, 3]
-    _, straight = run(["--engine", "hf", "--total_steps", "3", "--save_every", "2", "--eval_every", "0",
+    _, straight = run(["--engine", "hf", "--total_steps", "3", "--save_every", "0", "--eval_every", "0",
                        "--exp_name", "straight"], tmp_path, cache)
     for key in ("charts/reward", "charts/completion_length", "losses/policy", "policy/grad_norm"):
         assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-4, abs=1e-7), key  # (float sums differ)
@@ -109,8 +108,7 @@ def test_vllm_engine_takes_pushed_weights_of_a_llama_model(tmp_path, cache):
 
 @pytest.mark.slow
 def test_two_processes_with_the_real_model(tmp_path, cache):
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29537")
+    launcher = two_processes(29537)
     proc, rows = run(["--engine", "hf", "--total_steps", "2", "--eval_every", "2", "--threads", "1", "--beta", "0"],
                      tmp_path, cache, launcher=launcher)
     assert "2 process(es)" in proc.stdout and [r["step"] for r in rows] == [1, 2]
