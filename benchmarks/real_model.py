@@ -113,8 +113,12 @@ def main():
         ending = (f"stopped at step {rows[-1]['step']}" if wall is None else f"wall {wall / 60:.1f} min in all (model "
                   f"loading included), 1-minute load at the end "
                   f"{json.load(open(os.path.join(run_dir, 'benchmark.json')))['load_1min']:.2f}")
-        lines += ["", f"{script}: `{cmd}`; {ending}; median step {np.median([r['time/step'] for r in rows]):.1f} s.",
-                  ""]
+        median = lambda key: np.median([r[key] for r in rows if key in r])  # noqa: E731
+        # the HF loop's forward passes: grpo_async.py counts them, elsewhere one per token of the longest completion
+        calls = median("rollout/decode_calls" if "rollout/decode_calls" in rows[-1] else "charts/completion_length_max")
+        lines += ["", f"{script}: `{cmd}`; {ending}; median step {median('time/step'):.1f} s (rollout "
+                  f"{median('time/rollout'):.1f} s, {calls:.0f} decode calls, long-tail share "
+                  f"{median('rollout/tail_frac'):.2f}; training {median('time/train'):.1f} s).", ""]
     path = write_results(args.name, lines)
     plt = pyplot()
     if plt is None:
