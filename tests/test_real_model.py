@@ -4,6 +4,7 @@ folder; every run below loads it by its short name through that cache, with tiny
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 
@@ -90,6 +91,7 @@ def test_hf_engine_trains_evaluates_checkpoints_and_resumes_exactly(tmp_path, ca
     assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "chat_template.jinja").exists()
     proc, resumed = run(["--engine", "hf", "--total_steps", "3", "--eval_every", "0", "--resume"], tmp_path, cache)
     assert "resumed from" in proc.stdout and [r["step"] for r in resumed] == [1, 2, 3]
+    shutil.rmtree(run_dir)  # 2.6 GB of checkpoint and model: the disk holds one run's at a time
     _, straight = run(["--engine", "hf", "--total_steps", "3", "--save_every", "0", "--eval_every", "0",
                        "--exp_name", "straight"], tmp_path, cache)
     for key in ("charts/reward", "charts/completion_length", "losses/policy", "policy/grad_norm"):
