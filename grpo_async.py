@@ -16,7 +16,8 @@ at this step's weights (the proximal policy), and each token is weighted by pi_o
                                                        token, under the version it had then (--tis_cap C, --tis_mode)
   A_i, KL_it as grpo.py (group z-score; k3 in the loss)
 
---max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested). Not carried over from grpo.py: Clip-Cov and KL-Cov.
+--max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested). Left in grpo.py (switches independent of the rollout):
+Clip-Cov, KL-Cov, GDPO, the KL in the reward and the KL estimators other than k3.
 """
 
 import contextlib
@@ -34,9 +35,8 @@ from utils.checks import check_lengths, resolve_args
 from utils.hf_engine import Sample, hf_generate
 from utils.models import load_tokenizer
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advantages,
-                      engine_is_weights, entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3,
-                      kl_k3_importance_weighted, make_batch, micro_batches, pass_at_k, slice_batch)
+from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, engine_is_weights, entropy_threshold, group_advantages,
+                      kl_k3, make_batch, micro_batches, pass_at_k, slice_batch)
 from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, load_process_state, log_step,
                         open_metrics, quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics,
                         tail_fraction, write_eval_only)
@@ -113,12 +113,6 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
     """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
     # switches from other papers (their defaults leave the algorithm as its paper has it)
-    kl_estimator: Literal["k1", "k2", "k3", "k3+", "k3_is"] = "k3"
-    """k3: the paper (forward-KL gradient); k2, k3+ (k3 value, k2 gradient), k3_is (pi/pi_old * k3): reverse KL"""
-    kl_in_reward: bool = False
-    """subtract beta * sum_t KL from each reward (detached) instead of adding it to the loss; use with k1"""
-    reward_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """advantages of the weighted sum (GRPO), or of each reward z-scored in its group, summed, batch z-scored (GDPO)"""
     top_entropy_frac: float = 1.0
     """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
 
@@ -137,15 +131,9 @@ def check_algorithm_args(args, num_processes=1):
         raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
     if args.loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
-    if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
-        raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
-                         "--scale_rewards group and without --kl_in_reward")
     if args.overprovision < 1 or args.max_staleness < 0:
         raise ValueError(f"--overprovision {args.overprovision} must be >= 1 and --max_staleness {args.max_staleness} "
                          ">= 0")
-    if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
-        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use "
-                         "k2/k3+/k3_is")
 
 
 def compute_advantages(rewards, num_generations, scale, eps):
@@ -153,25 +141,16 @@ def compute_advantages(rewards, num_generations, scale, eps):
     return group_advantages(rewards.view(-1, num_generations), scale, eps).view(-1)
 
 
-def kl_term(logp, ref_logp, old_logp, estimator):
-    """Per-token KL penalty for the loss; see utils/rl.py for the gradient each estimator gives."""
-    if estimator == "k3_is":
-        return kl_k3_importance_weighted(logp, ref_logp, old_logp)
-    if estimator == "k3+":
-        return kl_k3(logp, ref_logp, straight_through=True)
-    return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
-
-
 def loss_settings(args):
     """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
     settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
-                "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
+                "beta": args.beta,
                 "max_len": args.max_new_tokens}
     return settings
 
 
 def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
-                 clip_eps_high=0.2, beta=0.0, kl_estimator="k3", loss_agg="seq-mean-token-mean", num_seqs=None,
+                 clip_eps_high=0.2, beta=0.0, loss_agg="seq-mean-token-mean", num_seqs=None,
                  num_tokens=None, max_len=None):
     """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
 
@@ -190,7 +169,7 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta > 0:
-        kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
+        kl = kl_k3(logp, ref_logp)  # the paper's estimator (grpo.py has the others)
         per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
     with torch.no_grad():
@@ -350,7 +329,7 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
     rows = [(g, c) for g, group in enumerate(groups) for c in group["completions"] if not c["finished"]]
     prefixes = [prompts[g] + c["token_ids"] for g, c in rows]
     budgets = [max_new_tokens - len(c["token_ids"]) for _, c in rows]  # each completion's tokens left
-    llm, sync_time = engine["llm"], 0.0
+    llm, sync_time = engine["llm"], wake_engine(engine, model, accelerator, policy_version)  # 0.0 for the HF loop
     if llm is None:
         stats = {}
         samples = hf_generate(model, tokenizer, prefixes, 1, temperature, top_p, max(budgets), accelerator,
@@ -359,7 +338,6 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
     else:  # the request-level API: step the engine until enough groups are complete, then abort the others
         from vllm import SamplingParams
 
-        sync_time = wake_engine(engine, model, accelerator, policy_version)
         rows_left, call = [0] * len(groups), f"v{policy_version}.{time.monotonic_ns()}"  # request ids: call-row
         for i, ((g, _), prefix, budget) in enumerate(zip(rows, prefixes, budgets)):
             rows_left[g] += 1
@@ -562,9 +540,9 @@ def main(args):
 
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
     prompts_local = args.prompts_per_step // world
-    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1), or when the KL in
-    # the reward needs it before the update; otherwise update_policy's first forward pass gives it (one pass saved).
-    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (args.kl_in_reward and args.beta > 0) or (
+    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1); otherwise
+    # update_policy's first forward pass gives it (one pass saved).
+    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (
         args.top_entropy_frac < 1)  # the entropy threshold needs the whole batch's entropies before the update
     progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                     disable=not accelerator.is_main_process, dynamic_ncols=True)
@@ -624,17 +602,8 @@ def main(args):
         # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
         accuracy, formats, counts = scorer.result(scoring)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        rewards = task_rewards.to(accelerator.device)
-        if ref_model is not None and args.kl_in_reward:  # detached sequence KL subtracted before the advantages
-            kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
-            rewards = rewards - args.beta * (kl * mask).sum(-1)
-        all_rewards = accelerator.gather(rewards)
-        if args.reward_norm == "normalize_then_sum":  # GDPO: accuracy and format each z-scored in its group first
-            parts = accelerator.gather(torch.tensor([accuracy, formats], device=accelerator.device).T.float())
-            advantages = decoupled_group_advantages(parts, torch.tensor([1.0, args.format_reward_weight]), G,
-                                                    args.adv_eps)
-        else:
-            advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
+        all_rewards = accelerator.gather(task_rewards.to(accelerator.device))
+        advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
         batch["advantages"] = advantages.view(world, -1)[rank]
         # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
         try:

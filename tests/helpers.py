@@ -35,7 +35,8 @@ def resolved(module, **overrides):
     """An algorithm script's Args with these overrides, defaults filled and checked as at the start of a run."""
     from utils.checks import resolve_args
 
-    return resolve_args(module.Args(**overrides), module.check_algorithm_args)
+    return resolve_args(module.Args(**overrides), module.check_algorithm_args, 1,
+                        getattr(module, "EMBEDDED_DEFAULTS", None))  # a script's own embedded-model defaults
 
 
 def assert_same_loss_and_gradient(loss, expected, wrt, atol=1e-6):

@@ -178,6 +178,10 @@ def test_tool_arguments():
                                ({"tool_timeout": 0}, "--tool_timeout")]:
         with pytest.raises(ValueError, match=message):
             resolved(grpo_tools, model=TOOLS_MODEL, **overrides)
+    # the embedded model's default leaves room for a tool call (grpo.py's is 48); an explicit value stays
+    assert resolved(grpo_tools, model=TOOLS_MODEL).max_new_tokens == 96
+    assert resolved(grpo_tools, model=TOOLS_MODEL, max_new_tokens=40).max_new_tokens == 40
+    assert resolved(grpo_tools, model=TOOLS_MODEL).learning_rate == 5e-4  # the other embedded defaults are kept
 
 
 @pytest.mark.slow

@@ -16,12 +16,14 @@ EMBEDDED_DEFAULTS = {"learning_rate": 5e-4, "max_new_tokens": 48, "micro_batch_s
 REAL_MODEL_DEFAULTS = {"learning_rate": 1e-6, "max_new_tokens": 1024, "micro_batch_size": 16}
 
 
-def resolve_args(args, check_algorithm_args, num_processes=1):
-    """Fill the defaults that depend on the model (the embedded model's, also for a model trained from it, or a real
-    model's), then check every argument: the shared checks below, then the script's check_algorithm_args. Bad input
-    becomes one line that says what to change, before any heavy work starts; the last step turns a GGUF model
-    (--model smollm2-135m or a .gguf file) into its converted folder, converting it on first use."""
-    defaults = EMBEDDED_DEFAULTS if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS
+def resolve_args(args, check_algorithm_args, num_processes=1, embedded_defaults=None):
+    """Fill the defaults that depend on the model (the embedded model's, also for a model trained from it, with a
+    script's own embedded_defaults over them; or a real model's), then check every argument: the shared checks below,
+    then the script's check_algorithm_args. Bad input becomes one line that says what to change, before any heavy work
+    starts; the last step turns a GGUF model (--model smollm2-135m or a .gguf file) into its converted folder,
+    converting it on first use."""
+    embedded = {**EMBEDDED_DEFAULTS, **(embedded_defaults or {})}
+    defaults = embedded if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS
     if args.micro_batch_size is None:  # the default, or the largest divisor of a smaller mini-batch below it
         minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
         args.micro_batch_size = math.gcd(defaults["micro_batch_size"], minibatch) or defaults["micro_batch_size"]
