@@ -144,8 +144,7 @@ def compute_advantages(rewards, num_generations, scale, eps):
 def loss_settings(args):
     """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
     settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
-                "beta": args.beta,
-                "max_len": args.max_new_tokens}
+                "beta": args.beta, "max_len": args.max_new_tokens}
     return settings
 
 

