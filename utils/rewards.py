@@ -22,6 +22,7 @@ through, so answers are read strictly and every check is bounded:
 """
 
 import collections
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -201,6 +202,16 @@ def rg_score(dataset, answer, entry):
     return float(dataset.score_answer(answer, entry) >= 1.0)
 
 
+def limit_process(memory_bytes, file_bytes):
+    """Limits of a worker or sandbox process (Linux): an address space of what it maps already plus memory_bytes, and
+    files of at most file_bytes (a write past it fails with OSError instead of killing the process)."""
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+
+
 _WORKER = {}  # a worker process's warm state, set once by _start_worker
 
 
@@ -209,16 +220,9 @@ def _start_worker(memory_bytes, rg_task=None):
     (whose score_answer reads the options it was made with). memory_bytes 0: no process limits (tests call this in
     their own process). A failure is kept and reported by every check: the scorer then stops the run."""
     try:
-        if memory_bytes:
-            try:  # address-space limit on top of what the process already maps (Linux; elsewhere time limits only)
-                with open("/proc/self/statm") as f:
-                    mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-                resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
-                # no file writes: some reasoning-gym verifiers run sympy.parse_expr, i.e. Python's eval, on the answer
-                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
-                resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-            except (OSError, ValueError):
-                pass
+        if memory_bytes:  # no file writes: some reasoning-gym verifiers run sympy.parse_expr (Python's eval) on answers
+            with contextlib.suppress(OSError, ValueError):  # Linux; elsewhere the time limits only
+                limit_process(memory_bytes, file_bytes=0)
         timeouts = _CountTimeouts()
         for name in ("math_verify.parser", "math_verify.grader"):
             logging.getLogger(name).addHandler(timeouts)

@@ -28,9 +28,10 @@ import multiprocessing
 import os
 import resource
 import shutil
-import signal
 import tempfile
 import traceback
+
+from utils.rewards import limit_process
 
 TOOL_STOP = "\n```\n"  # a fence alone on its line: the end of a code block, where generation stops
 CODE_FENCE = "```python"
@@ -131,11 +132,7 @@ def _start_sandbox(parent, memory_bytes, file_bytes):
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        with open("/proc/self/statm") as f:  # the address-space limit is on top of what the process maps already
-            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (OSError) instead of killing us
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+        limit_process(memory_bytes, file_bytes)
         resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         _SANDBOX["root"] = root
