@@ -36,8 +36,6 @@ from decimal import Decimal
 
 MAX_ANSWER_CHARS = 300  # a longer "answer" scores 0 without being parsed
 MAX_AFTER_BOX = 50  # characters after the box that still count as a well-formatted ending
-GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
 PLAIN_EXPRESSION = re.compile(r"[-+*/^().0-9\s]+")  # what the plain-expression reader may see: digits and operators
 SPACED_NUMBERS = re.compile(r"[0-9.]\s+[0-9]")  # "72 73": two answers, not one
 NUMBER_IN_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*[0-9]")  # "72 \text{ (or 73)}": a hedge
@@ -80,18 +78,7 @@ def extract_answer_tag(text):
     return text[start + len("<answer>"):end].strip() if end >= 0 and start >= 0 else None
 
 
-def extract_gsm8k(text, strict=True):
-    """GSM8K answers: strict takes the last '#### N'; flexible takes the last number in the text (verl's two modes)."""
-    matches = (GSM8K_STRICT if strict else NUMBER).findall(text)
-    return matches[-1].replace(",", "").replace("$", "").rstrip(".") if matches else None
-
-
-EXTRACTORS = {
-    "boxed": extract_boxed,
-    "answer_tags": extract_answer_tag,
-    "gsm8k_strict": extract_gsm8k,
-    "gsm8k_flexible": lambda text: extract_gsm8k(text, strict=False),
-}
+EXTRACTORS = {"boxed": extract_boxed, "answer_tags": extract_answer_tag}  # the answer formats a completion is asked for
 
 
 def format_reward(text, answer_format):
