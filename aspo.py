@@ -109,7 +109,7 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     kl_estimator: Literal["k1", "k2", "k3", "k3+", "k3_is"] = "k3"
     """k3: the paper (forward-KL gradient); k2, k3+ (k3 value, k2 gradient), k3_is (pi/pi_old * k3): reverse KL"""
     kl_in_reward: bool = False
-    """subtract beta * sum_t KL from each reward (detached) instead of adding it to the loss; use with k1"""
+    """subtract beta * sum_t KL from each reward (detached) instead of adding it to the loss; needs --kl_estimator k1"""
     reward_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """advantages of the weighted sum (GRPO), or of each reward z-scored in its group, summed, batch z-scored (GDPO)"""
     top_entropy_frac: float = 1.0
@@ -140,9 +140,9 @@ def check_algorithm_args(args, num_processes=1):
     if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
         raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
                          "--scale_rewards group and without --kl_in_reward")
-    if args.beta > 0 and args.kl_estimator == "k1" and not args.kl_in_reward:
-        raise ValueError("--kl_estimator k1 as a loss has zero expected gradient: add --kl_in_reward, or use "
-                         "k2/k3+/k3_is")
+    if args.beta > 0 and (args.kl_estimator == "k1") != args.kl_in_reward:  # the KL's gradient: arXiv 2506.09477
+        raise ValueError("--kl_estimator k1 and --kl_in_reward go together: k1 as a loss has zero expected gradient, "
+                         "another estimator in the reward a biased one (k2/k3+/k3_is belong in the loss)")
 
 
 def compute_advantages(rewards, num_generations, scale, eps):
@@ -156,7 +156,7 @@ def kl_term(logp, ref_logp, old_logp, estimator):
         return kl_k3_importance_weighted(logp, ref_logp, old_logp)
     if estimator == "k3+":
         return kl_k3(logp, ref_logp, straight_through=True)
-    return {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
+    return {"k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)  # k1 belongs in the reward (check_algorithm_args)
 
 
 def loss_settings(args):
@@ -549,9 +549,9 @@ def main(args):
         accuracy, formats, counts = scorer.result(scoring)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         rewards = task_rewards.to(accelerator.device)
-        if ref_model is not None and args.kl_in_reward:  # detached sequence KL subtracted before the advantages
-            kl = kl_term(batch["old_logp"], batch["ref_logp"], batch["old_logp"], args.kl_estimator)
-            rewards = rewards - args.beta * (kl * mask).sum(-1)
+        if ref_model is not None and args.kl_in_reward:  # detached sequence KL (k1) subtracted before the advantages
+            kl = kl_k1(batch["old_logp"], batch["ref_logp"]) * mask
+            rewards = rewards - args.beta * kl.sum(-1)
         all_rewards = accelerator.gather(rewards)
         if args.reward_norm == "normalize_then_sum":  # GDPO: accuracy and format each z-scored in its group first
             parts = accelerator.gather(torch.tensor([accuracy, formats], device=accelerator.device).T.float())
@@ -567,7 +567,9 @@ def main(args):
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
+        num_tokens = add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
+        if ref_model is not None and args.kl_in_reward:  # the KL the rewards paid, per token (not in the loss)
+            train_stats["sums"]["losses/kl"] = kl.sum() / num_tokens
         metrics = step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, {
             "step": time.time() - times["step"], "rollout": times["train"] - times["rollout"],
             "weight_sync": sync_time, "score": scoring.waited, "score_hidden": scoring.hidden})

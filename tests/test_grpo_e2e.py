@@ -27,7 +27,9 @@ def test_import_has_no_side_effects(tmp_path):
 def test_micro_batch_size_default_divides_the_mini_batch():
     assert resolved(grpo).micro_batch_size == 32  # the embedded model's default
     assert resolved(grpo, prompts_per_step=2, num_generations=4).micro_batch_size == 8  # the whole mini-batch
-    assert resolved(grpo, prompts_per_step=3, num_generations=4).micro_batch_size == 4  # the largest divisor <= 32
+    assert resolved(grpo, prompts_per_step=3, num_generations=4).micro_batch_size == 12  # the whole mini-batch
+    assert resolved(grpo, prompts_per_step=10, num_generations=4).micro_batch_size == 20  # the largest divisor <= 32
+    assert resolved(grpo, prompts_per_step=10, num_generations=4, num_minibatches=2).micro_batch_size == 20
     assert resolved(grpo, micro_batch_size=2).micro_batch_size == 2
 
 
@@ -87,6 +89,8 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     ({"task": "gsm9k"}, "unknown task 'gsm9k'"),
     ({"micro_batch_size": 7}, "must divide into --num_minibatches"),
     ({"beta": 0.1, "kl_estimator": "k1"}, "zero expected gradient"),
+    ({"beta": 0.1, "kl_in_reward": True}, "go together"),  # k3 (the default) in the reward: a biased gradient
+    ({"top_entropy_frac": 0.0}, "--top_entropy_frac 0.0: must be in (0, 1]"),
     ({"loss_agg": "sum"}, "use one of"),
     ({"tis_cap": 0.5}, "--tis_cap 0.5: must be > 1"),
 ])
@@ -216,6 +220,15 @@ def test_two_processes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["policy/first_minibatch_ratio_dev_max"] == 0.0
     assert rows[1]["eval/problems"] == 16  # both ranks' halves of the eval set were counted
+
+
+@pytest.mark.slow
+def test_kl_in_the_reward(tmp_path):
+    """--kl_in_reward: each completion's detached k1 sum is subtracted from its reward and logged as losses/kl: 0 while
+    the policy is the reference (step 1), not once it has moved."""
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--kl_in_reward", "--kl_estimator", "k1", "--beta",
+                        "0.1", "--learning_rate", "3e-3", *SMALL], tmp_path)
+    assert rows[0]["losses/kl"] == pytest.approx(0, abs=1e-6) and abs(rows[1]["losses/kl"]) > 1e-6, rows
 
 
 @pytest.mark.slow

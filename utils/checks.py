@@ -1,8 +1,6 @@
 """Checks of the arguments every algorithm script shares, run before any model loads: each bad value becomes a
 one-line ValueError that says what to change. A script adds its own algorithm's checks (check_algorithm_args)."""
 
-import math
-
 from utils.models import gguf_file, resolve_model
 from utils.tasks import TOY_TASKS, check_model, check_task, is_toy_shaped
 
@@ -24,9 +22,9 @@ def resolve_args(args, check_algorithm_args, num_processes=1, embedded_defaults=
     converting it on first use."""
     embedded = {**EMBEDDED_DEFAULTS, **(embedded_defaults or {})}
     defaults = embedded if is_toy_shaped(args.model) else REAL_MODEL_DEFAULTS
-    if args.micro_batch_size is None:  # the default, or the largest divisor of a smaller mini-batch below it
+    if args.micro_batch_size is None:  # the largest divisor of a process's mini-batch up to the default
         minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
-        args.micro_batch_size = math.gcd(defaults["micro_batch_size"], minibatch) or defaults["micro_batch_size"]
+        args.micro_batch_size = max(d for d in range(1, defaults["micro_batch_size"] + 1) if minibatch % d == 0)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -46,8 +44,8 @@ def check_args(args, num_processes=1):
     for name in NON_NEGATIVE:
         if not getattr(args, name) >= 0:
             raise ValueError(f"--{name} {getattr(args, name)}: must be >= 0")
-    for name in ("top_p", "eval_top_p"):
-        if not 0 < getattr(args, name) <= 1:
+    for name in ("top_p", "eval_top_p", "top_entropy_frac"):  # ppo.py has no top_entropy_frac
+        if not 0 < getattr(args, name, 1.0) <= 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be in (0, 1]")
     if 0 < args.tis_cap <= 1:
         raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")

