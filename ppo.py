@@ -222,15 +222,14 @@ def token_values(critic, batch):
 # ---- Model --------------------------------------------------------------------------------------------------------
 
 
-def load_model(args, accelerator, tokenizer, trainable=True):
-    """The policy keeps float32 master weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16 weights); the
-    frozen reference model is stored in bf16 on GPU."""
+def load_model(args, tokenizer):
+    """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
+    weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if accelerator.device.type == "cuda" and not trainable else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    model.config.use_cache = False
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.config.use_cache = False  # training passes build no KV cache (hf_generate asks for one itself)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
     return model
 
 
@@ -247,7 +246,7 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
     completion = input_ids[:, prompt_width:]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
-    logits = logits.float()  # one float32 (B, T, V) copy; divided only when T != 1
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when temperature != 1
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -297,7 +296,7 @@ def create_engine(args, accelerator, stop_ids):
               logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
     if on_gpu:
         llm.sleep(level=args.vllm_sleep_level)
-    # weights_version: how many optimizer updates the engine's weights include (None: never pushed, or dropped by a
+    # weights_version: how many training steps the engine's weights include (None: never pushed, or dropped by a
     # level-2 sleep); generate() pushes whenever it differs from the policy's version
     return {"llm": llm, "stop_ids": stop_ids, "weights_version": None, "asleep": on_gpu,
             "sleep_level": args.vllm_sleep_level}
@@ -313,8 +312,8 @@ def push_weights(engine, model, accelerator):
 
 def wake_engine(engine, model, accelerator, policy_version):
     """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
-    counts the training steps the weights include) -> seconds spent pushing. A rollout of several engine calls wakes
-    the engine once: every call then samples from the same weights."""
+    counts the training steps the weights include) -> seconds spent pushing. A caller that makes several engine calls
+    of one rollout wakes it once around them (grpo_tools.py's turns): every call then samples from the same weights."""
     llm, sync_time = engine["llm"], 0.0
     if llm is None:
         return sync_time
@@ -393,7 +392,7 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 def update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer):
     """num_epochs passes of num_minibatches optimizer steps over one rollout batch, for the policy and the critic.
 
-    pi_old's log-probs are batch["old_logp"] when the loop computed them (mu > 1). Without them (mu = 1) the policy has
+    pi_old's log-probs are batch["old_logp"] when the loop computed them (old_logp_pass). Without them the policy has
     not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
     forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
     count the whole mini-batch over all processes. Returns (the pi_old log-probs the loss used, statistics grouped by
@@ -500,12 +499,12 @@ def main(args):
     scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
                           args.reward_timeout, args.reward_memory_mb)
 
-    model = load_model(args, accelerator, tokenizer)
+    model = load_model(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     ref_model = None
     if args.beta > 0 and not args.eval_only:
-        ref_model = load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
+        ref_model = load_model(args, tokenizer).eval().requires_grad_(False)
         ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
         accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
@@ -536,7 +535,7 @@ def main(args):
     for step in progress:
         times = {"step": time.time()}
         # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
-        #    policy as it is after step - 1 updates.
+        #    policy as it is after step - 1 training steps.
         # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
         rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]

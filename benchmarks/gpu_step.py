@@ -77,10 +77,10 @@ def run_engine(engine_name, opts, model_dir):
                                   vllm_gpu_memory_utilization=opts.gpu_memory_utilization), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args, accelerator, tokenizer)
+    model = grpo.load_model(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
-    ref_model = grpo.load_model(args, accelerator, tokenizer, trainable=False).eval().requires_grad_(False)
+    ref_model = grpo.load_model(args, tokenizer).eval().requires_grad_(False)
     ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
     model.eval()
     result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
@@ -153,7 +153,7 @@ def run_tail(engine_name, opts, model_dir):
                         grpo_async.check_algorithm_args)
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
     tokenizer, _ = grpo.load_tokenizer(args.model)
-    model = accelerator.prepare(grpo.load_model(args, accelerator, tokenizer).eval())
+    model = accelerator.prepare(grpo.load_model(args, tokenizer).eval())
     vocab = SHAPES[opts.shape]["vocab_size"]
     stop_ids = list(range(3, 3 + max(1, round(opts.stop_frac * vocab))))  # not the special ids 0-2
     engine = grpo_async.create_engine(args, accelerator, stop_ids)

@@ -36,7 +36,7 @@ def main():
     args = resolve_args(grpo.Args(model=opts.model), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args, accelerator, tokenizer).eval()
+    model = grpo.load_model(args, tokenizer).eval()
     prompts = [tokenizer(f"{i % 100:02d}+{(7 * i) % 100:02d}=", add_special_tokens=False)["input_ids"]
                for i in range(opts.prompts)]
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=opts.new_tokens, use_cache=True,

@@ -39,7 +39,7 @@ def main():
                                   max_new_tokens=opts.max_new_tokens, engine="hf"), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args, accelerator, tokenizer).eval()
+    model = grpo.load_model(args, tokenizer).eval()
     engine = grpo.create_engine(args, accelerator, stop_ids)
     rows = load_task(args.task, "test", tokenizer, args.answer_format)[0][:opts.problems]
     lines = [f"\n`python benchmarks/prompt_start.py --model {opts.model} --task {opts.task} --problems {opts.problems}"

@@ -79,7 +79,7 @@ def main():
     args = resolve_args(grpo.Args(model=opts.model), grpo.check_algorithm_args)
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model, ref_model = grpo.load_model(args, accelerator, tokenizer), grpo.load_model(args, accelerator, tokenizer)
+    model, ref_model = grpo.load_model(args, tokenizer), grpo.load_model(args, tokenizer)
     rows = toy_problems("train")[:args.prompts_per_step]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     torch.manual_seed(0)

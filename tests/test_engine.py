@@ -24,7 +24,7 @@ def setup(model_dir=None, **overrides):
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = load_tokenizer(args.model)
     assert stop_ids == [tokenizer.eos_token_id]  # the embedded model's: rollouts below pass it
-    model = grpo.load_model(args, accelerator, tokenizer).eval()
+    model = grpo.load_model(args, tokenizer).eval()
     return args, accelerator, tokenizer, model
 
 
@@ -68,6 +68,37 @@ def test_left_padding_does_not_change_logprobs():
     alone = grpo.make_batch([prompt], [Sample(ids, None, False)], tokenizer.pad_token_id, "cpu")
     single, _ = grpo.batched_logprobs(model, alone, 1.0, micro_batch_size=1)
     assert torch.allclose(single[0, :len(ids)], trainer[-1, :len(ids)], atol=1e-5)
+
+
+def test_the_reference_computes_as_the_policy_under_bf16_mixed_precision():
+    """On GPU both models run under accelerate's bf16 autocast (here on the CPU's): the reference, loaded as the policy
+    is (float32 weights), gives the policy's log-probs exactly at step 1, so the KL starts at 0; a reference stored in
+    bf16 computes differently (its residual stream and norms in bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    from accelerate.state import AcceleratorState
+
+    args, _, tokenizer, _ = setup()
+    AcceleratorState._reset_state(True)  # one accelerator state per process: this test's has bf16
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        policy = accelerator.prepare_model(grpo.load_model(args, tokenizer).eval())
+        reference = accelerator.prepare_model(grpo.load_model(args, tokenizer).eval(), evaluation_mode=True)
+        in_bf16 = accelerator.prepare_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+                                            .eval(), evaluation_mode=True)
+    finally:
+        AcceleratorState._reset_state(True)  # the next test's Accelerator(cpu=True) starts afresh
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    samples = [Sample(tokenizer(p[::-1])["input_ids"], None, False) for p in PROMPTS]  # any tokens will do
+    batch = grpo.make_batch(prompts, samples, tokenizer.pad_token_id, "cpu")
+    mask = batch["completion_mask"].bool()
+    plain = grpo.load_model(args, tokenizer).eval()  # float32 without autocast
+    with torch.no_grad():
+        logp, ref_logp, bf16_logp, fp32_logp = (grpo.batched_logprobs(m, batch, 1.0, 4)[0][mask]
+                                                for m in (policy, reference, in_bf16, plain))
+    assert (logp - fp32_logp).abs().max() > 1e-4  # the autocast is on
+    assert torch.equal(logp, ref_logp)  # the same computation: bit-equal
+    assert (logp - bf16_logp).abs().max() > 1e-3
 
 
 def test_stop_tokens_and_truncation():

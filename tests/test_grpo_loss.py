@@ -164,6 +164,8 @@ def test_a_long_sequence_ratio_does_not_overflow():
     for mode in ("seq-truncate", "seq-mask"):
         weights, bounded = engine_is_weights(old, engine, mask, 2.0, mode)
         assert torch.isfinite(weights).all() and bounded.all()
+    with pytest.raises(ValueError, match="unknown importance-sampling mode 'token'"):
+        engine_is_weights(old, engine, mask, 2.0, "token")
 
 
 def test_group_advantages_from_flat_rewards():

@@ -79,7 +79,7 @@ def test_hf_decode_loop_stops_at_the_tool_stop_string():
 
     torch.manual_seed(0)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), Accelerator(cpu=True), tokenizer).eval()
+    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
     samples = hf_generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96, Accelerator(cpu=True), stop_ids,
                           stop_strings=[TOOL_STOP])
@@ -101,13 +101,11 @@ def test_tool_output_is_context_not_action():
     attends to them) leaves the gradient unchanged; without the mask it would change. Between two turns, the output
     does change the later tokens' log-probs (it is their context), as it should. micro_batches cuts each row after its
     last model token, not after mask.sum() tokens."""
-    from accelerate import Accelerator
-
     from utils.models import load_tokenizer
 
     torch.manual_seed(0)
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), Accelerator(cpu=True), tokenizer)
+    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), tokenizer)
     prompt = tokenizer("347*86=")["input_ids"]
     model_turn = tokenizer("```python\nprint(347*86)" + TOOL_STOP)["input_ids"]
 
@@ -149,7 +147,7 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
     args = resolved(grpo_tools, model=TOOLS_MODEL, max_new_tokens=96, max_turns=1, engine="hf")
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(args, accelerator, tokenizer).eval()
+    model = grpo_tools.load_model(args, tokenizer).eval()
     engine = grpo_tools.create_engine(args, accelerator, stop_ids)
     rows = toy_mul_problems("test")[:16]
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]

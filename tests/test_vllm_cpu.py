@@ -39,7 +39,7 @@ json.dump(config, open(model_dir + "/generation_config.json", "w"))
 args = resolved(grpo, engine="vllm", model=model_dir, max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-model = grpo.load_model(args, accelerator, tokenizer).eval()
+model = grpo.load_model(args, tokenizer).eval()
 engine = grpo.create_engine(args, accelerator, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 
@@ -86,7 +86,7 @@ torch.set_num_threads(1)
 args = resolved(grpo_async, engine="vllm", max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo_async.load_tokenizer(args.model)
-model = grpo_async.load_model(args, accelerator, tokenizer).eval()
+model = grpo_async.load_model(args, tokenizer).eval()
 engine = grpo_async.create_engine(args, accelerator, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 groups = [{"row": i, "version": 0, "completions": [{"token_ids": [], "logprobs": [], "versions": [], "finished": False,
@@ -162,7 +162,7 @@ torch.manual_seed(0)
 args = resolved(grpo_tools, engine="vllm", model=os.path.join(grpo_tools.TOY_MODEL_DIR, "tools"), max_new_tokens=96)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo_tools.load_tokenizer(args.model)
-model = grpo_tools.load_model(args, accelerator, tokenizer).eval()
+model = grpo_tools.load_model(args, tokenizer).eval()
 engine = grpo_tools.create_engine(args, accelerator, stop_ids)
 pushes = []
 push = grpo_tools.push_weights

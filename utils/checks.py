@@ -61,7 +61,8 @@ def check_args(args, num_processes=1):
     local_batch = args.prompts_per_step // num_processes * args.num_generations
     if local_batch % args.num_minibatches or (local_batch // args.num_minibatches) % args.micro_batch_size:
         raise ValueError(f"each process holds {local_batch} completions a step: it must divide into --num_minibatches "
-                         f"{args.num_minibatches} mini-batches of whole --micro_batch_size {args.micro_batch_size} chunks")
+                         f"{args.num_minibatches} mini-batches of whole --micro_batch_size {args.micro_batch_size} "
+                         "chunks")
 
 
 def check_lengths(args, tool_tokens=0):

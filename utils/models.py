@@ -1,6 +1,7 @@
 """The tokenizer and its stop tokens, and models given as a GGUF file: a short name of a model that a pip package
-ships (`--model smollm2-135m`) or a path to any local `.gguf` file. transformers de-quantizes the file to float32 once; the result is saved as an ordinary
-safetensors model folder in a cache folder, and every later load (trainer, reference model, vLLM) reads that folder.
+ships (`--model smollm2-135m`) or a path to any local `.gguf` file. transformers de-quantizes the file to float32
+once; the result is saved as an ordinary safetensors model folder in a cache folder, and every later load (trainer,
+reference model, vLLM) reads that folder.
 """
 
 import contextlib

@@ -41,8 +41,8 @@ SPACED_NUMBERS = re.compile(r"[0-9.]\s+[0-9]")  # "72 73": two answers, not one
 NUMBER_IN_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*[0-9]")  # "72 \text{ (or 73)}": a hedge
 PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")  # 72, -3.5, 1,000 (not 1,2)
 ANSWER_PLACEHOLDER = "ANSWER"  # where --instruction user says the answer goes: \boxed{ANSWER} (utils/tasks.py)
-PLACEHOLDER = re.compile(rf"(?:\\(?:text|textbf|mathrm)\s*\{{\s*)?{ANSWER_PLACEHOLDER}\s*\}}?", re.IGNORECASE)  # copied,
-# it is never an answer (math-verify would read it as the product A*N*S*W*E*R)
+# the instruction's placeholder, copied: never an answer (math-verify would read it as the product A*N*S*W*E*R)
+PLACEHOLDER = re.compile(rf"(?:\\(?:text|textbf|mathrm)\s*\{{\s*)?{ANSWER_PLACEHOLDER}\s*\}}?", re.IGNORECASE)
 FAILURES = ("unparsed", "timeouts", "verify_timeouts", "errors", "memory")
 
 

