@@ -328,8 +328,9 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
     ks = [2 ** i for i in range(1, args.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
     totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
-    for start in range(0, len(prompts), 64):
-        chunk, chunk_rows = prompts[start:start + 64], mine[start:start + 64]
+    size = 64 if engine["llm"] is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
+    for start in range(0, len(prompts), size):
+        chunk, chunk_rows = prompts[start:start + size], mine[start:start + size]
         for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
             out, _ = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
                               args.max_new_tokens, accelerator, policy_version)
