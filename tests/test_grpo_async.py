@@ -67,6 +67,21 @@ def test_generate_partial_continues_from_the_tokens_so_far():
     assert len(continued["token_ids"]) <= 48  # the budget counts the tokens it had
 
 
+def test_a_group_finished_before_is_not_counted_again():
+    """The training loop asks for prompts_local - (groups already complete) more groups: a carried complete group has
+    no rows in the call and must not count as one of them (on either engine: vLLM counts the groups that finish)."""
+    _, accelerator, tokenizer, model = setup()
+    torch.manual_seed(0)
+    engine = {"llm": None, "stop_ids": [tokenizer.eos_token_id]}
+    prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=")]
+    groups = new_groups(3, 2)
+    for completion in groups[1]["completions"]:  # the middle group finished in an earlier step
+        completion.update(token_ids=[tokenizer.eos_token_id], logprobs=[-0.1], versions=[0], finished=True)
+    grpo_async.generate_partial(engine, model, tokenizer, groups, prompts, 1, 1.0, 1.0, 48, accelerator, 1)
+    new = [group for group in (groups[0], groups[2]) if all(c["finished"] for c in group["completions"])]
+    assert len(new) >= 1, [[len(c["token_ids"]) for c in g["completions"]] for g in groups]
+
+
 def test_async_arguments():
     assert resolved(grpo_async, max_staleness=0).overprovision == 1.5  # ignored at 0: nothing can be carried
     for bad in ({"overprovision": 0.5}, {"max_staleness": -1}):

@@ -48,6 +48,7 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
     if groups_needed:  # rows still running per group; a group is complete at 0
         group_of = torch.tensor([*groups, -1], device=device)
         rows_left = torch.bincount(group_of[:total], minlength=int(group_of.max()) + 1)
+        given = rows_left > 0  # an id without rows here (a caller's group finished before) is never counted
     rows = torch.arange(total, device=device)  # the output row of each batch row
     cache, input_ids, t = DynamicCache(config=unwrapped.config), inputs["input_ids"], 0
     with torch.inference_mode(not synced):  # cheaper than no_grad; FSDP2 must not gather weights as inference tensors
@@ -71,7 +72,7 @@ def hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens
             running = ~ended & (rows < total)
             if groups_needed:
                 rows_left.index_add_(0, group_of[rows[ended]], -torch.ones_like(rows[ended]))
-                if int((rows_left == 0).sum()) >= groups_needed:  # enough whole groups: the rest waits
+                if int(((rows_left == 0) & given).sum()) >= groups_needed:  # enough whole groups: the rest waits
                     running = torch.zeros_like(running)
             num_running = int(running.sum())  # the host sync of the step
             go_on = num_running > 0
