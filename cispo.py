@@ -15,7 +15,8 @@ absolute cap min(r, epsilon_high) (whose unset default silently caps every weigh
 eps_low = 1 puts it at 0, which a ratio never crosses (the paper "imposes no lower bound"). eps_high: the paper gives no
 number; the default 4.0 is ScaleRL's recommended absolute cap of 5 (arXiv 2510.13786; Tinker uses [0, 4]) in the
 relative convention, the one source that tuned it at scale (verl's 0.5B GSM8K example uses 0.2). --token_mask adds
-the paper's unified form, a mask M_it = 0 where PPO's clip would drop the token, which recovers PPO's trust region.
+the paper's unified form, a mask M_it = 0 where PPO's clip would drop the token (PPO's own range, --ppo_clip_eps 0.2,
+not the IS weight's), which recovers PPO's trust region.
 Differences from grpo.py: the loss above (its value holds log pi: meaningless as a metric, test gradients), token-mean
 normalizer (DAPO's), no KL (beta = 0), 4 mini-batches per rollout batch (mu = 4: on-policy, r = 1 and CISPO is
 REINFORCE with group advantages; it only differs off-policy). `diff grpo.py cispo.py` shows exactly this.
@@ -92,7 +93,9 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     clip_eps_high: float = 4.0
     """IS weight clipped above at 1 + clip_eps_high (4: ScaleRL's cap of 5; verl's GSM8K example uses 0.2)"""
     token_mask: bool = False
-    """the paper's unified form: drop the tokens PPO's clip would drop (A > 0, r > 1+eps_high; A < 0, r < 1-eps_low)"""
+    """the paper's unified form: drop the tokens PPO's clip would drop (A > 0, r > 1+ppo_clip_eps; A < 0, r < 1-...)"""
+    ppo_clip_eps: float = 0.2
+    """PPO's clip range, for --token_mask and the policy/ppo_clip_frac metric (the IS weight's are clip_eps_*)"""
     beta: float = 0.0
     """KL coefficient (the paper: 0); > 0 loads a reference model and adds GRPO's per-token KL term"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -129,8 +132,8 @@ def check_algorithm_args(args, num_processes=1):
                          "of one has advantage 0 and learns nothing)")
     if args.beta < 0:
         raise ValueError(f"--beta {args.beta}: must be >= 0 (0 turns the KL term off)")
-    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0:
-        raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
+    if min(args.clip_eps_low, args.clip_eps_high, args.adv_eps, args.ppo_clip_eps) < 0:
+        raise ValueError("--clip_eps_low, --clip_eps_high, --adv_eps and --ppo_clip_eps must be >= 0")
     if args.loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
     if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
@@ -160,13 +163,13 @@ def loss_settings(args):
     settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
                 "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
                 "max_len": args.max_new_tokens}
-    settings["token_mask"] = args.token_mask
+    settings.update(token_mask=args.token_mask, ppo_clip_eps=args.ppo_clip_eps)
     return settings
 
 
 def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=1.0,
-                 clip_eps_high=4.0, token_mask=False, beta=0.0, kl_estimator="k3", loss_agg="token-mean",
-                 num_seqs=None, num_tokens=None, max_len=None):
+                 clip_eps_high=4.0, token_mask=False, ppo_clip_eps=0.2, beta=0.0, kl_estimator="k3",
+                 loss_agg="token-mean", num_seqs=None, num_tokens=None, max_len=None):
     """CISPO loss of one micro-batch: -sg(clip(r)) * A * log pi per token (+ beta * KL), aggregated with global counts.
 
     logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
@@ -181,7 +184,7 @@ def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=Non
     adv = advantages.unsqueeze(-1)
     weight = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high).detach()  # the clipped IS weight, stop-gradient
     per_token = -weight * adv * logp
-    ppo_would_drop = ((adv > 0) & (ratio > 1 + clip_eps_high)) | ((adv < 0) & (ratio < 1 - clip_eps_low))
+    ppo_would_drop = ((adv > 0) & (ratio > 1 + ppo_clip_eps)) | ((adv < 0) & (ratio < 1 - ppo_clip_eps))
     if token_mask:
         per_token = per_token * (~ppo_would_drop)
     if is_weights is not None:

@@ -15,7 +15,8 @@ with four changes for long chain-of-thought RL. For each prompt q, sample G comp
    1/sum_i |o_i| per prompt group (--loss_agg group-token-mean); the authors' released verl recipe, TRL and OpenRLHF
    divide by the tokens of the whole mini-batch (token-mean, the default here).
 4. Overlong reward shaping: R_length = min(0, max(-1, (L_max - L_cache - |o|) / L_cache)), L_max = max_new_tokens;
-   overlong filtering (mask truncated completions' loss) is a switch, off as in the paper's best run.
+   overlong filtering (mask truncated completions' loss) is a switch, off as in the paper's best run (the authors'
+   recipe FAQ).
 No KL term and no reference model (the paper removes it). `diff grpo.py dapo.py` shows exactly this.
 """
 
@@ -97,7 +98,7 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     gen_prompts_per_step: Optional[int] = None
     """prompts per generation round, over all processes; None: prompts_per_step (the paper's recipe: 3x)"""
     dynamic_sampling: bool = True
-    """drop groups whose rewards are all equal and generate more (off: train on every group of one round)"""
+    """drop the groups --filter_groups_by finds all equal and generate more (off: train on every group of one round)"""
     max_num_gen_batches: int = 10
     """generation rounds per step at most; then the step trains on the groups kept so far"""
     filter_groups_by: Literal["accuracy", "reward"] = "accuracy"
@@ -522,7 +523,7 @@ def main(args):
     for step in progress:
         times = {"step": time.time()}
         # 1. Rollout with dynamic sampling: rounds of fresh prompts, each process sampling G completions for its share,
-        #    scored at once (the filter needs the rewards). Groups whose rewards are all equal are dropped. The stop
+        #    scored at once (the filter needs the rewards). Groups all equal by --filter_groups_by are dropped. The stop
         #    test is collective (the fewest groups any process kept), so every process runs as many rounds.
         seen, kept, waited, rounds, num_informative, sync_time = [], [], 0.0, 0, 0, 0.0
         counts = dict.fromkeys(["no_answer", *FAILURES], 0)
@@ -565,7 +566,7 @@ def main(args):
             prompts, samples = [g["prompt"] for g in kept for _ in range(G)], [s for g in kept for s in g["samples"]]
             batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
             mask = batch["completion_mask"]
-            if args.overlong_filtering:  # truncated completions leave the loss and its normalizer
+            if args.overlong_filtering:  # truncated completions leave the loss (token-mean: its normalizer too)
                 batch["completion_mask"] = mask * torch.tensor([[not s.truncated] for s in samples], device=mask.device)
             if old_logp_pass:  # with pi_old's entropies when --top_entropy_frac needs them
                 batch["old_logp"], batch["old_entropy"] = batched_logprobs(model, batch, args.temperature,
@@ -581,7 +582,7 @@ def main(args):
             except FloatingPointError as e:
                 raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                                  f"step (the last checkpoint in {run_dir} is intact)") from None
-            add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
+            add_logprob_gap(train_stats, batch["engine_logp"], old_logp, batch["completion_mask"], accelerator)
             trained["charts/reward_std"] = all_rewards.std().item()
         # 3. Log (the rollout's statistics are over every completion generated), evaluate, checkpoint.
         train_stats["means"].update({"dapo/informative_group_frac": num_informative / len(seen),

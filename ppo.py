@@ -99,7 +99,7 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     value_clip: float = 0.2
     """c: V clipped to V_old +- c in the value loss (lm-human-preferences, TRL; verl and OpenRLHF: 0.5)"""
     whiten_rewards: bool = False
-    """divide the per-token rewards by their std over the batch (not mean-shifted; lm-human-preferences: on)"""
+    """scale the per-token rewards' spread around their batch mean by 1/std, the mean kept (lm-human-preferences: on)"""
     score_clip: float = 0.0
     """> 0: clip the task reward to [-score_clip, score_clip] (PPO-max)"""
     format_reward_weight: float = 0.1

@@ -516,7 +516,8 @@ def main(args):
         if ref_model is not None:
             batch["ref_logp"], _ = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size,
                                                     args.num_minibatches)
-        # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
+        # 3. Rewards (accuracy + w * format) on each completion's last token, -beta * k1 on every token (--baseline: the
+        #    group mean subtracted instead, the KL in the loss); returns-to-go whitened over every process's tokens.
         accuracy, formats, counts = scorer.result(scoring)
         task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         rewards = task_rewards.to(accelerator.device)

@@ -141,6 +141,7 @@ def test_one_process_dynamic_sampling_off_policy(tmp_path):
         assert 0 < r["dapo/trained_groups"] <= 4 and 0 <= r["dapo/informative_group_frac"] <= 1
         assert r["policy/clip_frac"] == pytest.approx(r["policy/clip_frac_high"] + r["policy/clip_frac_low"])
         assert "charts/overlong_reward" in r and "losses/kl" not in r
+        assert r["rollout/logprob_gap_max"] < 1e-4  # over the trained tokens only: filtered ones have no pi_old
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and "eval/pass@1_greedy" in rows[1]
 
 

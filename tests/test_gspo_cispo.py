@@ -122,6 +122,14 @@ def test_cispo_keeps_the_gradient_grpo_drops_and_the_token_mask_recovers_ppo():
     g_masked = torch.autograd.grad(cispo.compute_loss(logp, old, adv, mask, token_mask=True, **settings)[0], logp)[0]
     assert g_grpo[0, 0] == 0 and g_cispo[0, 0].item() == pytest.approx(-1.2 / 2) and g_masked[0, 0] == 0
     assert g_grpo[0, 1].item() == pytest.approx(-1.1 / 2) == g_cispo[0, 1].item() == g_masked[0, 1].item()
+    # the mask is PPO's range (ppo_clip_eps 0.2), not the IS weight's: with the default weight clip (cap 5) r = 1.5
+    # keeps its full weight unmasked, and is dropped with the mask
+    loss, means, _ = cispo.compute_loss(logp, old, adv, mask, token_mask=True)
+    g_default = torch.autograd.grad(loss, logp)[0]
+    assert g_default[0, 0] == 0 and g_default[0, 1].item() == pytest.approx(-1.1 / 2)
+    assert means["policy/ppo_clip_frac"].item() == pytest.approx(0.5)
+    g_unmasked = torch.autograd.grad(cispo.compute_loss(logp, old, adv, mask)[0], logp)[0]
+    assert g_unmasked[0, 0].item() == pytest.approx(-1.5 / 2)
 
 
 @pytest.mark.slow
