@@ -241,7 +241,7 @@ def add_logprob_gap(train_stats, engine_logp, old_logp, mask, accelerator):
     """The engine/trainer mismatch on the trained tokens, |log pi_engine - log pi_old|: its mean over every
     process's tokens and its max, added to update_policy's statistics. Returns the tokens over all processes."""
     gap = (engine_logp - old_logp).abs() * mask
-    num_tokens = accelerator.reduce(mask.sum(), reduction="sum")
+    num_tokens = accelerator.reduce(mask.sum(), reduction="sum").clamp(min=1)  # dapo.py may filter out every token
     train_stats["sums"]["rollout/logprob_gap_mean"] = gap.sum() / num_tokens
     train_stats["maxes"]["rollout/logprob_gap_max"] = gap.max()
     return num_tokens
