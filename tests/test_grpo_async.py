@@ -105,7 +105,7 @@ def test_max_staleness_0_is_grpo_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
-    flags = ["--eval_every", "0", "--save_every", "2", "--overprovision", "2", *SMALL]
+    flags = ["--eval_every", "0", "--save_every", "2", "--overprovision", "3", *SMALL]  # 3: some groups wait too long
     _, straight = run_grpo(["--total_steps", "4", "--exp_name", "straight", *flags], tmp_path,
                            script="grpo_async.py")
     assert any(r["async/groups_carried"] > 0 for r in straight)  # over-provisioned groups wait
