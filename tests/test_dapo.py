@@ -131,17 +131,18 @@ def test_bad_arguments(overrides, message):
 
 @pytest.mark.slow
 def test_one_process_dynamic_sampling_off_policy(tmp_path):
-    """Rounds of fresh prompts until 4 informative groups; 4 mini-batches, the first on-policy (ratio exactly 1)."""
+    """Rounds of fresh prompts until 4 informative groups; 4 mini-batches, the first on-policy (ratio exactly 1);
+    16 new tokens, so most completions are cut and overlong filtering masks them."""
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", "--filter_groups_by", "reward",
-                        "--loss_agg", "group-token-mean", "--overlong_filtering", *DAPO_SMALL], tmp_path,
-                       script="dapo.py")
+                        "--loss_agg", "group-token-mean", "--overlong_filtering", "--max_new_tokens", "16",
+                        *DAPO_SMALL], tmp_path, script="dapo.py")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["policy/first_minibatch_ratio_dev_max"] == 0.0 and 1 <= r["dapo/gen_rounds"] <= 10
         assert 0 < r["dapo/trained_groups"] <= 4 and 0 <= r["dapo/informative_group_frac"] <= 1
         assert r["policy/clip_frac"] == pytest.approx(r["policy/clip_frac_high"] + r["policy/clip_frac_low"])
         assert "charts/overlong_reward" in r and "losses/kl" not in r
-        assert r["rollout/logprob_gap_max"] < 1e-4  # over the trained tokens only: filtered ones have no pi_old
+        assert r["charts/truncated_frac"] > 0.5 and r["rollout/logprob_gap_max"] < 1e-4  # over trained tokens only
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and "eval/pass@1_greedy" in rows[1]
 
 
