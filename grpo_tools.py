@@ -115,7 +115,7 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     max_tool_tokens: int = 64
     """tokens of one tool output block at most (its text is cut to fit)"""
     tool_timeout: float = 5.0
-    """seconds a tool call may run; past it, its sandbox process is killed and replaced, and the call gets an error"""
+    """seconds a tool call may run; past it, the process running it is killed and the call gets an error"""
     tool_memory_mb: int = 512
     """address-space limit of each sandbox process, on top of what it maps at start"""
 

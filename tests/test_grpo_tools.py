@@ -26,6 +26,11 @@ HOSTILE = {  # each costs its call an error message, and the run nothing
     "big file": ("open('f', 'w').write('x' * 10**8)", "File too large"),
     "C-level hang": ("import re\nre.match(r'(a+)+$', 'a' * 64 + 'b')", "TimeoutError"),  # no signal stops it
     "exit": ("raise SystemExit(3)", "SystemExit: 3"),
+    "segfault": ("import ctypes\nctypes.string_at(0)", "without a result (signal 11)"),
+    "every pipe": ("import os\nfor fd in range(1024):\n    try:\n        os.write(fd, b'junk')\n    except OSError:\n"
+                   "        pass", "without a result"),  # only its own result pipe gets the junk
+    "kill the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "died or stopped answering"),
+    "stop the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)", "died or stopped answering"),
     "syntax": ("print(1", "SyntaxError"),
 }
 
@@ -45,12 +50,23 @@ def test_the_sandbox_survives_hostile_code(tmp_path):
             assert results[-1] == ("42\n", "")  # writing a small file in its own folder works
             assert sandbox.run(["import os\nprint(os.listdir('.'))"]) == [("[]\n", "")]  # a fresh folder per call
             assert sandbox.run(["print(sum(range(10)))"] * 8) == [("45\n", "")] * 8  # killed processes were replaced
-            assert elapsed < 30  # four 1 s time-outs on two processes, not a hang
+            assert elapsed < 30  # four 1 s time-outs and a 3 s one on two processes, not a hang
     finally:
         os.chdir(cwd)
     assert set(os.listdir(tmp_path)) == before
     children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert len(children) <= 2, children  # no orphans of the fork bomb (the reward/forkserver helpers at most)
+
+
+def test_a_call_cannot_change_what_the_next_call_sees():
+    """Each call runs in a child forked for it: one completion's code that replaces print, lowers the recursion limit
+    or changes a module leaves the next call on the same process as it was."""
+    tamper = ["import builtins\nbuiltins.print = lambda *a, **k: None", "import sys\nsys.setrecursionlimit(40)",
+              "import math\nmath.pi = 3"]
+    with PythonSandbox(num_workers=1, timeout=5.0) as sandbox:
+        assert sandbox.run(tamper) == [("", "")] * 3
+        check = "import math\ndef f(n):\n    return n and f(n - 1)\nprint(f(100), math.pi)"
+        assert sandbox.run([check]) == [("0 3.141592653589793\n", "")]
 
 
 def test_code_and_output_blocks():

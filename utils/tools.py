@@ -11,30 +11,40 @@ runs, and the environment appends its output (capped) as an ```output block, aft
     29842
     ```
 
-Model output is untrusted input, so the code never runs in the trainer. It runs in `num_workers` warm sandbox
-processes (pebble's ProcessPool, forked from a fork server like the reward workers), each with: an address-space limit,
-no child processes (RLIMIT_NPROC 0; a root trainer's workers first drop to the unprivileged user `nobody`, since root
-ignores that limit), a file-size limit, stdout/stderr of the process sent to /dev/null, and a fresh empty working
-directory for every call, deleted afterwards. A call that runs past `timeout` seconds has its process killed and
-replaced (the only bound that also stops C code: a regex backtracking, a huge integer power); a process that dies
-costs only its call. Every failure becomes the call's output, an error message the model reads, and never stops the
-run. What this is not: a security boundary against a deliberate attacker (the code can read files the user can, and
-open network connections); for that, run the code in a container or a VM (e.g. nsjail, gVisor, E2B).
+Model output is untrusted input, so the code never runs in the trainer. It runs under `num_workers` sandbox
+processes: fresh interpreters (not forks of the trainer, so they hold no torch and fork in ~1 ms), each with an
+address-space limit, a file-size limit, stdout/stderr sent to /dev/null, and (when the trainer is root) the
+unprivileged user `nobody`. Each call runs in a child that a sandbox process forks for it, so nothing one
+completion's code does (replacing `print`, changing a module, killing its sandbox process) reaches another
+completion's call. The child keeps no inherited file but its result pipe, may not start processes or threads
+(RLIMIT_NPROC 0: no fork bomb, no orphans), runs the code as a script in a fresh empty folder (deleted afterwards), and
+is killed once it runs past `timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge
+integer power). A sandbox process that dies or stops answering is replaced. Every failure becomes the call's output,
+an error message the model reads, and never stops the run. What this is not: a security boundary against a
+deliberate attacker (the code can read files the user can, and open network connections); for that, run the code in
+a container or a VM (e.g. nsjail, gVisor, E2B).
 """
 
 import contextlib
+import ctypes
 import io
-import multiprocessing
+import json
 import os
 import resource
+import select
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 import traceback
 
 from utils.rewards import limit_process
 
 TOOL_STOP = "\n```\n"  # a fence alone on its line: the end of a code block, where generation stops
 CODE_FENCE = "```python"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding utils/
 NOBODY = 65534  # the unprivileged user a root trainer's sandbox processes become
 TOOL_INSTRUCTION = ("Compute with Python when it helps: write a ```python block that prints what you need; it runs "
                     "when the block closes, and its output follows in an ```output block.")  # for chat models
@@ -115,93 +125,161 @@ class _CappedText(io.TextIOBase):
         return "".join(self.parts)
 
 
-_SANDBOX = {}  # a sandbox process's state, set once by _start_sandbox
+def _serve(folder, memory_bytes, file_bytes, max_chars, timeout):
+    """A sandbox process, a fresh interpreter (not a fork of the trainer: it holds no torch, so forking it is cheap).
+    It takes its limits, becomes nobody if root, answers "" (or why it could not) on stdout, then reads one JSON code
+    string per line on stdin and answers each with one JSON [output, error] line, every call in a child of its own."""
+    channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)  # C-level writes (os.write, a crashing extension) go nowhere
 
+    def answer(message):
+        channel_out.write(json.dumps(message).encode() + b"\n")
+        channel_out.flush()
 
-def _start_sandbox(parent, memory_bytes, file_bytes):
-    """Each sandbox process's initializer: its own folder, no output to the terminal, the limits, then (if root) the
-    user nobody. A failure is kept and reported by every call: the pool then stops the run (a sandbox without its
-    limits must not run code)."""
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)  # C-level writes to fds 1 and 2 (os.write, a crashing extension) go nowhere
-        os.dup2(devnull, 2)
-        root = tempfile.mkdtemp(dir=parent)
+        root = tempfile.mkdtemp(dir=folder)
         if os.getuid() == 0:
             os.chown(root, NOBODY, NOBODY)
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
         limit_process(memory_bytes, file_bytes)
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        _SANDBOX["root"] = root
-    except BaseException as e:  # noqa: BLE001 - e.g. setuid refused in a restricted container
-        _SANDBOX["failed"] = f"{type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - e.g. setuid refused in a restricted container: the sandbox stops
+        return answer(f"{type(e).__name__}: {e}")
+    answer("")
+    for line in channel_in:  # until the trainer closes the pipe
+        answer(_run_code(json.loads(line), max_chars, timeout, root))
 
 
-def _run_code(code, max_chars):
-    """One call, in a sandbox process: (output, error line or ""), the code run as a script in an empty folder."""
-    if "failed" in _SANDBOX:
-        return "", f"startup: {_SANDBOX['failed']}"
-    folder = tempfile.mkdtemp(dir=_SANDBOX["root"])
-    stdout = _CappedText(max_chars)
-    error = ""
+def _run_code(code, max_chars, timeout, root):
+    """One call, in a sandbox process: (output, error line or ""). The code runs in a child forked for this call, as a
+    script in an empty folder; past `timeout` seconds the child is killed."""
+    folder = tempfile.mkdtemp(dir=root)
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _child(code, max_chars, folder, write_end, parent)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    result, deadline, timed_out = b"", time.monotonic() + timeout, False
+    while len(result) < 16 * max_chars + 1024:  # the child's answer is ~2 * max_chars; a flood is cut
+        timed_out = not select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]
+        chunk = b"" if timed_out else os.read(read_end, 65536)
+        if not chunk:
+            break
+        result += chunk
+    os.kill(pid, signal.SIGKILL)  # it has answered, closed its pipe, or run out of time: nothing of it may stay
+    _, status = os.waitpid(pid, 0)
+    os.close(read_end)
+    shutil.rmtree(folder, ignore_errors=True)
+    if timed_out:
+        return "", f"TimeoutError: the code ran for more than {timeout:g} s and was stopped"
+    try:
+        output, error = json.loads(result)
+        return str(output)[:max_chars + 1], str(error)[:max_chars]
+    except (ValueError, TypeError):  # no answer: the child died (a segfault, memory exhausted in C code) or wrote junk
+        code = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}"
+        return "", f"the code ended without a result ({code})"
+
+
+def _child(code, max_chars, folder, write_end, parent):
+    """The forked child of one call: it dies with its sandbox process, keeps no file of it but its result pipe, starts
+    no process or thread, runs the code with its output capped, and writes (output, error) as JSON to write_end."""
+    with contextlib.suppress(Exception):  # Linux: killed if its sandbox process dies
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        return
+    os.closerange(3, write_end)  # the sandbox process's channel among them: the code cannot answer in its place
+    os.closerange(write_end + 1, 65536)
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
+    stdout, error = _CappedText(max_chars), ""
     try:
         os.chdir(folder)
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
             exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends, the process stays
+    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
         error = traceback.format_exception_only(type(e), e)[-1].strip()
-    finally:
-        with contextlib.suppress(OSError):
-            os.chdir(_SANDBOX["root"])
-            shutil.rmtree(folder, ignore_errors=True)
-    return stdout.getvalue(), error[:max_chars]
+    data = json.dumps([stdout.getvalue(), error[:max_chars]]).encode()
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(write_end, data):]
 
 
 class PythonSandbox:
-    """Run model-written code in warm sandbox processes, many calls at once:
+    """Run model-written code in sandbox processes, many calls at once, each call in a fresh child:
 
         with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
             results = sandbox.run(["print(6 * 7)", "while True: pass"])   # [("42\\n", ""), ("", "TimeoutError: ...")]
     """
 
     def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512):
-        from pebble import ProcessPool
-
         self.timeout, self.max_output_chars = timeout, max_output_chars
-        context = multiprocessing.get_context("forkserver")  # never forked from a large trainer process
-        context.set_forkserver_preload(["utils.tools"])
+        self.config = json.dumps([memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout])
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
         os.chmod(self.folder, 0o711)  # a process that became nobody can reach its own folder, not list the others
-        self.pool = ProcessPool(max(1, num_workers), initializer=_start_sandbox, context=context,
-                                initargs=(self.folder, memory_mb * 2**20, file_mb * 2**20))
+        self.processes = [self._start() for _ in range(max(1, num_workers))]
+        for process in self.processes:
+            self._ready(process)
+
+    def _start(self):
+        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from utils.tools import _serve; "
+                "_serve(sys.argv[2], *json.loads(sys.argv[3]))")
+        return subprocess.Popen([sys.executable, "-c", code, ROOT, self.folder, self.config], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _ready(self, process):
+        """Wait for a new sandbox process's first answer: "" once its limits hold."""
+        line = process.stdout.readline() if select.select([process.stdout], [], [], 60)[0] else b""
+        if line.strip() != b'""':
+            self.close()
+            why = json.loads(line) if line else "it did not start within 60 s"
+            raise RuntimeError(f"the Python sandbox could not start with its limits ({why})")
 
     def run(self, codes):
         """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success."""
-        from pebble import ProcessExpired
-
-        futures = [self.pool.schedule(_run_code, (code, self.max_output_chars), timeout=self.timeout)
-                   for code in codes]
-        results = []
-        for future in futures:
-            try:
-                results.append(future.result())
-            except TimeoutError:  # pebble killed the process and started another
-                results.append(("", f"TimeoutError: the code ran for more than {self.timeout:g} s and was stopped"))
-            except ProcessExpired as e:  # the process died: a memory limit hit in C code, a segfault
-                results.append(("", f"the interpreter died (exit code {e.exitcode})"))
-            except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result: the call fails, never the run
-                results.append(("", f"{type(e).__name__}: {e}"[:self.max_output_chars]))
-        for _, error in results:
-            if error.startswith("startup: "):
-                raise RuntimeError(f"the Python sandbox could not start with its limits ({error[9:]})")
+        results, todo = [None] * len(codes), list(range(len(codes)))[::-1]
+        busy = {}  # a process's index -> (its call's index, the backstop deadline)
+        while todo or busy:
+            for k in range(len(self.processes)):
+                if k not in busy and todo:
+                    busy[k] = (todo.pop(), time.monotonic() + self.timeout + 2)  # a backstop: each call times itself
+                    with contextlib.suppress(OSError):  # a process that died answers nothing, and is replaced below
+                        self.processes[k].stdin.write(json.dumps(codes[busy[k][0]]).encode() + b"\n")
+                        self.processes[k].stdin.flush()
+            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
+            readable = select.select([self.processes[k].stdout for k in busy], [], [], wait)[0]
+            for k, (call, deadline) in list(busy.items()):
+                line = self.processes[k].stdout.readline() if self.processes[k].stdout in readable else None
+                if line:
+                    results[call] = tuple(json.loads(line))
+                elif line is not None or time.monotonic() > deadline:  # died (its child may kill it) or stopped
+                    results[call] = ("", "the sandbox process died or stopped answering; it was replaced")
+                    self._stop(self.processes[k])
+                    self.processes[k] = self._start()
+                    self._ready(self.processes[k])
+                else:
+                    continue
+                del busy[k]
         return results
 
+    @staticmethod
+    def _stop(process):
+        with contextlib.suppress(OSError):
+            process.kill()  # its running child, if any, dies with it (PR_SET_PDEATHSIG)
+        process.wait()
+        for pipe in (process.stdin, process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
     def close(self):
-        self.pool.stop()
-        self.pool.join()
+        for process in self.processes:
+            self._stop(process)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self):
