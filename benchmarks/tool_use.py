@@ -72,14 +72,15 @@ def main():
             r = rows[step - 1]
             lines.append(f"| {seed} | {step} | {seconds[step - 1]:.0f} | " + " | ".join(
                 f"{r[key]:.3f}" if key != "tools/model_tokens" else f"{r[key]:.1f}" for key, _ in KEYS) + " |")
-        summary.append((seed, before, rows[-1], wall))
+        tool_seconds = np.median([r["time/tools"] for r in rows]), np.median([r["time/step"] for r in rows])
+        summary.append((seed, before, rows[-1], wall, *tool_seconds))
     lines += ["", "Held-out greedy evaluation (`eval/problems` problems), before training and at the end:", "",
               "| seed | problems | pass@1 before | pass@1 end | calls per completion before | end | wall s (with "
-              "evaluation) |", "|---|---|---|---|---|---|---|"]
+              "evaluation) | median s of tool calls a step | median s a step |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {seed} | {end['eval/problems']} | {before['eval/pass@1_greedy']:.3f} | "
               f"{end['eval/pass@1_greedy']:.3f} | {before['eval/tool_calls_greedy']:.3f} | "
-              f"{end['eval/tool_calls_greedy']:.3f} | {wall:.0f} |"
-              for seed, before, end, wall in summary]
+              f"{end['eval/tool_calls_greedy']:.3f} | {wall:.0f} | {tools:.2f} | {step:.2f} |"
+              for seed, before, end, wall, tools, step in summary]
     write_results(name, lines)
 
 
