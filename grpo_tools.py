@@ -118,6 +118,9 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     """seconds a tool call may run; past it, the process running it is killed and the call gets an error"""
     tool_memory_mb: int = 512
     """address-space limit of each sandbox process, on top of what it maps at start"""
+    tool_modules: tuple[str, ...] = ("math", "fractions", "numpy", "sympy")
+    """modules each sandbox process imports at start: free to import in a call (a root trainer's sandbox runs as the
+    user nobody, who may not be able to read others)"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
@@ -140,6 +143,9 @@ def check_algorithm_args(args, num_processes=1):
     if args.max_turns < 0 or args.max_tool_tokens < 16 or args.tool_timeout <= 0 or args.tool_memory_mb < 64:
         raise ValueError("--max_turns must be >= 0, --max_tool_tokens >= 16, --tool_timeout > 0 and --tool_memory_mb "
                          ">= 64")
+    missing = [name for name in args.tool_modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"--tool_modules: no module named {', '.join(missing)} here (install it, or leave it out)")
 
 
 def compute_advantages(rewards, num_generations, scale, eps):
@@ -536,7 +542,8 @@ def main(args):
     scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
                           args.reward_timeout, args.reward_memory_mb)
     # as many sandbox processes as reward workers: a turn's calls run in parallel
-    sandbox = PythonSandbox(args.reward_workers or default_reward_workers(), args.tool_timeout, args.tool_memory_mb)
+    sandbox = PythonSandbox(args.reward_workers or default_reward_workers(), args.tool_timeout, args.tool_memory_mb,
+                            modules=args.tool_modules)
 
     model = load_model(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)

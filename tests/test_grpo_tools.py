@@ -69,6 +69,16 @@ def test_a_call_cannot_change_what_the_next_call_sees():
         assert sandbox.run([check]) == [("0 3.141592653589793\n", "")]
 
 
+def test_the_sandbox_imports_its_modules_before_it_drops_privileges():
+    """A root trainer's sandbox runs as nobody, who may not read the Python installation (/root is often 0700): the
+    modules imported at start are importable in every call; a module that cannot be imported stops the start."""
+    with PythonSandbox(num_workers=1, modules=("fractions", "sympy")) as sandbox:
+        assert sandbox.run(["import fractions, sympy\nprint(fractions.Fraction(2, 6), sympy.factorint(12))"]) == [
+            ("1/3 {2: 2, 3: 1}\n", "")]
+    with pytest.raises(RuntimeError, match="could not start: ModuleNotFoundError"):
+        PythonSandbox(num_workers=1, modules=("no_such_module",))
+
+
 def test_code_and_output_blocks():
     text = "x ```python\nprint(1)\n```\nthen ```python\nprint(347 * 86)" + TOOL_STOP
     assert last_code_block(text) == "print(347 * 86)"
@@ -189,7 +199,8 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
 
 def test_tool_arguments():
     for overrides, message in [({"max_turns": -1}, "--max_turns"), ({"max_tool_tokens": 4}, "--max_tool_tokens"),
-                               ({"tool_timeout": 0}, "--tool_timeout")]:
+                               ({"tool_timeout": 0}, "--tool_timeout"),
+                               ({"tool_modules": ("math", "no_such_module")}, "--tool_modules: no module named no_")]:
         with pytest.raises(ValueError, match=message):
             resolved(grpo_tools, model=TOOLS_MODEL, **overrides)
     # the embedded model's default leaves room for a tool call (grpo.py's is 48); an explicit value stays

@@ -12,9 +12,10 @@ runs, and the environment appends its output (capped) as an ```output block, aft
     ```
 
 Model output is untrusted input, so the code never runs in the trainer. It runs under `num_workers` sandbox
-processes: fresh interpreters (not forks of the trainer, so they hold no torch and fork in ~1 ms), each with an
+processes: fresh interpreters (not forks of the trainer, so they hold no torch and fork in milliseconds), each with an
 address-space limit, a file-size limit, stdout/stderr sent to /dev/null, and (when the trainer is root) the
-unprivileged user `nobody`. Each call runs in a child that a sandbox process forks for it, so nothing one
+unprivileged user `nobody`, after importing `modules` (free to import in a call then; nobody may be unable to read
+the Python installation for any other). Each call runs in a child that a sandbox process forks for it, so nothing one
 completion's code does (replacing `print`, changing a module, killing its sandbox process) reaches another
 completion's call. The child keeps no inherited file but its result pipe, may not start processes or threads
 (RLIMIT_NPROC 0: no fork bomb, no orphans), runs the code as a script in a fresh empty folder (deleted afterwards), and
@@ -27,6 +28,8 @@ a container or a VM (e.g. nsjail, gVisor, E2B).
 
 import contextlib
 import ctypes
+import gc
+import importlib
 import io
 import json
 import os
@@ -125,10 +128,12 @@ class _CappedText(io.TextIOBase):
         return "".join(self.parts)
 
 
-def _serve(folder, memory_bytes, file_bytes, max_chars, timeout):
+def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
     """A sandbox process, a fresh interpreter (not a fork of the trainer: it holds no torch, so forking it is cheap).
-    It takes its limits, becomes nobody if root, answers "" (or why it could not) on stdout, then reads one JSON code
-    string per line on stdin and answers each with one JSON [output, error] line, every call in a child of its own."""
+    It imports `modules` (a call's import of them is then free, and works even where the user nobody cannot read the
+    Python installation), takes its limits, becomes nobody if root, answers "" (or why it could not) on stdout, then
+    reads one JSON code string per line on stdin and answers each with one JSON [output, error] line, every call in a
+    child of its own."""
     channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -139,6 +144,9 @@ def _serve(folder, memory_bytes, file_bytes, max_chars, timeout):
         channel_out.flush()
 
     try:
+        for name in modules:
+            importlib.import_module(name)
+        gc.freeze()  # the imported objects stay out of the children's garbage collections: fewer pages copied
         root = tempfile.mkdtemp(dir=folder)
         if os.getuid() == 0:
             os.chown(root, NOBODY, NOBODY)
@@ -218,9 +226,9 @@ class PythonSandbox:
             results = sandbox.run(["print(6 * 7)", "while True: pass"])   # [("42\\n", ""), ("", "TimeoutError: ...")]
     """
 
-    def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512):
+    def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=()):
         self.timeout, self.max_output_chars = timeout, max_output_chars
-        self.config = json.dumps([memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout])
+        self.config = json.dumps([list(modules), memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout])
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
         os.chmod(self.folder, 0o711)  # a process that became nobody can reach its own folder, not list the others
         self.processes = [self._start() for _ in range(max(1, num_workers))]
@@ -239,7 +247,7 @@ class PythonSandbox:
         if line.strip() != b'""':
             self.close()
             why = json.loads(line) if line else "it did not start within 60 s"
-            raise RuntimeError(f"the Python sandbox could not start with its limits ({why})")
+            raise RuntimeError(f"the Python sandbox could not start: {why}")
 
     def run(self, codes):
         """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success."""
