@@ -16,6 +16,7 @@ from utils.rl import make_batch, micro_batches
 from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
+SIGNAL_PARENT = "PermissionError" if os.getuid() == 0 else "died or stopped answering"  # a root trainer's: nobody
 HOSTILE = {  # each costs its call an error message, and the run nothing
     "infinite loop": ("while True:\n    pass", "TimeoutError"),
     "fork bomb": ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),
@@ -29,8 +30,13 @@ HOSTILE = {  # each costs its call an error message, and the run nothing
     "segfault": ("import ctypes\nctypes.string_at(0)", "without a result (signal 11)"),
     "every pipe": ("import os\nfor fd in range(1024):\n    try:\n        os.write(fd, b'junk')\n    except OSError:\n"
                    "        pass", "without a result"),  # only its own result pipe gets the junk
-    "kill the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "died or stopped answering"),
-    "stop the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)", "died or stopped answering"),
+    "kill the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", SIGNAL_PARENT),
+    "stop the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)", SIGNAL_PARENT),
+    "outlive the sandbox": ("import ctypes, os, signal\nctypes.CDLL(None).prctl(1, 0)\n"  # no parent-death signal
+                            "os.kill(os.getppid(), signal.SIGKILL)\nwhile True:\n    pass", SIGNAL_PARENT),
+    "lone surrogate": ("print('\\ud800')", ""),  # escaped: the tokenizer would raise on it
+    "deep folders": ("import os\nwhile True:\n    os.mkdir('d')\n    os.chdir('d')", "TimeoutError"),  # rm -rf
+    "huge code": ("#" * 60_000, "over 50000 characters"),
     "syntax": ("print(1", "SyntaxError"),
 }
 
@@ -47,12 +53,15 @@ def test_the_sandbox_survives_hostile_code(tmp_path):
             for (name, (_, expected)), (output, error) in zip(HOSTILE.items(), results):
                 assert expected in error if expected else not error, (name, output, error)
             assert results[4][0] == "x" * 101  # the huge print: capped at max_output_chars (+1 to show the cut)
+            assert results[list(HOSTILE).index("lone surrogate")][0] == "\\ud800\n"
+            "".join(text for result in results for text in result).encode()  # valid UTF-8 throughout (or it raises)
             assert results[-1] == ("42\n", "")  # writing a small file in its own folder works
             assert sandbox.run(["import os\nprint(os.listdir('.'))"]) == [("[]\n", "")]  # a fresh folder per call
             assert sandbox.run(["print(sum(range(10)))"] * 8) == [("45\n", "")] * 8  # killed processes were replaced
-            assert elapsed < 30  # four 1 s time-outs and a 3 s one on two processes, not a hang
+            assert elapsed < 30  # five 1 s time-outs (3 s where a stopped sandbox process must be replaced), not a hang
     finally:
         os.chdir(cwd)
+    assert not os.path.exists(sandbox.folder)  # the calls' folders, a tree too deep for shutil.rmtree among them
     assert set(os.listdir(tmp_path)) == before
     children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert len(children) <= 2, children  # no orphans of the fork bomb (the reward/forkserver helpers at most)

@@ -12,18 +12,21 @@ runs, and the environment appends its output (capped) as an ```output block, aft
     ```
 
 Model output is untrusted input, so the code never runs in the trainer. It runs under `num_workers` sandbox
-processes: fresh interpreters (not forks of the trainer, so they hold no torch and fork in milliseconds), each with an
-address-space limit, a file-size limit, stdout/stderr sent to /dev/null, and (when the trainer is root) the
-unprivileged user `nobody`, after importing `modules` (free to import in a call then; nobody may be unable to read
-the Python installation for any other). Each call runs in a child that a sandbox process forks for it, so nothing one
-completion's code does (replacing `print`, changing a module, killing its sandbox process) reaches another
-completion's call. The child keeps no inherited file but its result pipe, may not start processes or threads
-(RLIMIT_NPROC 0: no fork bomb, no orphans), runs the code as a script in a fresh empty folder (deleted afterwards), and
-is killed once it runs past `timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge
-integer power). A sandbox process that dies or stops answering is replaced. Every failure becomes the call's output,
-an error message the model reads, and never stops the run. What this is not: a security boundary against a
-deliberate attacker (the code can read files the user can, and open network connections); for that, run the code in
-a container or a VM (e.g. nsjail, gVisor, E2B).
+processes: fresh interpreters (not forks of the trainer, so they hold no torch and fork in milliseconds) that import
+`modules` at start, each with an address-space limit, a file-size limit and stdout/stderr sent to /dev/null. Each
+call runs in a child that a sandbox process forks for it, so nothing one completion's code does (replacing `print`,
+changing a module) reaches another completion's call. The child of a root trainer becomes the unprivileged user
+`nobody` (it can then signal no root process; root would ignore the process limit below). It keeps no inherited file
+but its result pipe, may not start processes or threads (RLIMIT_NPROC 0: no fork bomb, no orphans), has timeout + 2 s
+of CPU, runs the code as a script in a fresh empty folder (deleted afterwards), and is killed once it runs past
+`timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge integer power). A sandbox
+process that dies or stops answering is replaced. Where nobody cannot read the Python installation (Python under
+/root, mode 0700), a call can import only what its sandbox process imported: `modules` and what they import at start
+(numpy.random or sympy's solve, loaded lazily, then fail; list them in `modules`). Every failure becomes the call's
+output, an error message the model reads, and never stops the run. What this is not: a security boundary against a
+deliberate attacker (the code can read files the user can, fill /tmp or /dev/shm with many files, open network
+connections, and under a non-root trainer signal the trainer); for that, run the code in a container or a VM (e.g.
+nsjail, gVisor, E2B).
 """
 
 import contextlib
@@ -47,6 +50,7 @@ from utils.rewards import limit_process
 
 TOOL_STOP = "\n```\n"  # a fence alone on its line: the end of a code block, where generation stops
 CODE_FENCE = "```python"
+MAX_CODE_CHARS = 50_000  # a model turn's code is far shorter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding utils/
 NOBODY = 65534  # the unprivileged user a root trainer's sandbox processes become
 TOOL_INSTRUCTION = ("Compute with Python when it helps: write a ```python block that prints what you need; it runs "
@@ -131,9 +135,8 @@ class _CappedText(io.TextIOBase):
 def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
     """A sandbox process, a fresh interpreter (not a fork of the trainer: it holds no torch, so forking it is cheap).
     It imports `modules` (a call's import of them is then free, and works even where the user nobody cannot read the
-    Python installation), takes its limits, becomes nobody if root, answers "" (or why it could not) on stdout, then
-    reads one JSON code string per line on stdin and answers each with one JSON [output, error] line, every call in a
-    child of its own."""
+    Python installation), takes its limits, answers "" (or why it could not) on stdout, then reads one JSON code
+    string per line on stdin and answers each with one JSON [output, error] line, every call in a child of its own."""
     channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -148,30 +151,42 @@ def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
             importlib.import_module(name)
         gc.freeze()  # the imported objects stay out of the children's garbage collections: fewer pages copied
         root = tempfile.mkdtemp(dir=folder)
-        if os.getuid() == 0:
-            os.chown(root, NOBODY, NOBODY)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+        os.chmod(root, 0o711)  # a child that became nobody reaches its own folder in it, and lists none
+        with contextlib.suppress(Exception):  # Linux: a child of the same user cannot reach this process's pipes
+            ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: /proc/<pid>/fd is closed to it
         limit_process(memory_bytes, file_bytes)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    except BaseException as e:  # noqa: BLE001 - e.g. setuid refused in a restricted container: the sandbox stops
+    except BaseException as e:  # noqa: BLE001 - e.g. a module that cannot be imported: the sandbox stops
         return answer(f"{type(e).__name__}: {e}")
     answer("")
     for line in channel_in:  # until the trainer closes the pipe
-        answer(_run_code(json.loads(line), max_chars, timeout, root))
+        folder = tempfile.mkdtemp(dir=root)
+        answer(_run_code(json.loads(line), max_chars, timeout, folder))
+        _remove(folder)  # after the answer: a call that made many files does not delay it
 
 
-def _run_code(code, max_chars, timeout, root):
+def _remove(folder):
+    """Remove a folder whatever the code left in it (a tree too deep for shutil.rmtree's recursion, no permissions)."""
+    try:
+        shutil.rmtree(folder)
+    except Exception:  # noqa: BLE001
+        subprocess.run(["rm", "-rf", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def _clean(text):
+    """A string the tokenizer can take: a lone surrogate (print('\ud800')) becomes its escape."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _run_code(code, max_chars, timeout, folder):
     """One call, in a sandbox process: (output, error line or ""). The code runs in a child forked for this call, as a
     script in an empty folder; past `timeout` seconds the child is killed."""
-    folder = tempfile.mkdtemp(dir=root)
     read_end, write_end = os.pipe()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
-            _child(code, max_chars, folder, write_end, parent)
+            _child(code, max_chars, folder, write_end, parent, timeout)
         finally:
             os._exit(0)
     os.close(write_end)
@@ -185,27 +200,35 @@ def _run_code(code, max_chars, timeout, root):
     os.kill(pid, signal.SIGKILL)  # it has answered, closed its pipe, or run out of time: nothing of it may stay
     _, status = os.waitpid(pid, 0)
     os.close(read_end)
-    shutil.rmtree(folder, ignore_errors=True)
     if timed_out:
         return "", f"TimeoutError: the code ran for more than {timeout:g} s and was stopped"
     try:
         output, error = json.loads(result)
-        return str(output)[:max_chars + 1], str(error)[:max_chars]
-    except (ValueError, TypeError):  # no answer: the child died (a segfault, memory exhausted in C code) or wrote junk
+        return _clean(output)[:max_chars + 1], _clean(error)[:max_chars]
+    except Exception:  # noqa: BLE001 - no answer: the child died (a segfault, memory exhausted in C code), or junk
         code = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}"
         return "", f"the code ended without a result ({code})"
 
 
-def _child(code, max_chars, folder, write_end, parent):
-    """The forked child of one call: it dies with its sandbox process, keeps no file of it but its result pipe, starts
-    no process or thread, runs the code with its output capped, and writes (output, error) as JSON to write_end."""
-    with contextlib.suppress(Exception):  # Linux: killed if its sandbox process dies
+def _child(code, max_chars, folder, write_end, parent, timeout):
+    """The forked child of one call: as root it becomes nobody (it can then signal no root process, its sandbox
+    process among them), it dies with its sandbox process, keeps no file of it but its result pipe, starts no process
+    or thread, has timeout + 1 s of CPU, runs the code with its output capped, and writes (output, error) as JSON to
+    write_end."""
+    if os.getuid() == 0:
+        os.chown(folder, NOBODY, NOBODY)
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    with contextlib.suppress(Exception):  # Linux, after setuid (which clears it): killed if its sandbox process dies
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         return
     os.closerange(3, write_end)  # the sandbox process's channel among them: the code cannot answer in its place
     os.closerange(write_end + 1, 65536)
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
+    cpu = int(timeout) + 2
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # a child that escaped its sandbox process still stops
     stdout, error = _CappedText(max_chars), ""
     try:
         os.chdir(folder)
@@ -213,10 +236,19 @@ def _child(code, max_chars, folder, write_end, parent):
             exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
         error = traceback.format_exception_only(type(e), e)[-1].strip()
-    data = json.dumps([stdout.getvalue(), error[:max_chars]]).encode()
+    data = json.dumps([_clean(stdout.getvalue()), _clean(error)[:max_chars]]).encode()
     with contextlib.suppress(OSError):
         while data:
             data = data[os.write(write_end, data):]
+
+
+def _parse_answer(line):
+    """(output, error) from a sandbox process's answer line; None for no line (it died or stopped) or junk."""
+    try:
+        output, error = json.loads(line)
+        return str(output), str(error)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 class PythonSandbox:
@@ -246,12 +278,16 @@ class PythonSandbox:
         line = process.stdout.readline() if select.select([process.stdout], [], [], 60)[0] else b""
         if line.strip() != b'""':
             self.close()
-            why = json.loads(line) if line else "it did not start within 60 s"
+            why = ("it ended before it was ready" if process.poll() is not None else "it did not start within 60 s")
+            with contextlib.suppress(ValueError):
+                why = json.loads(line) if line else why  # its own reason
             raise RuntimeError(f"the Python sandbox could not start: {why}")
 
     def run(self, codes):
         """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success."""
-        results, todo = [None] * len(codes), list(range(len(codes)))[::-1]
+        results = [("", f"the code is over {MAX_CODE_CHARS} characters and was not run") if len(code) > MAX_CODE_CHARS
+                   else None for code in codes]  # a longer one could fill a pipe to a stopped process
+        todo = [i for i in reversed(range(len(codes))) if results[i] is None]
         busy = {}  # a process's index -> (its call's index, the backstop deadline)
         while todo or busy:
             for k in range(len(self.processes)):
@@ -263,23 +299,23 @@ class PythonSandbox:
             wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
             readable = select.select([self.processes[k].stdout for k in busy], [], [], wait)[0]
             for k, (call, deadline) in list(busy.items()):
-                line = self.processes[k].stdout.readline() if self.processes[k].stdout in readable else None
-                if line:
-                    results[call] = tuple(json.loads(line))
-                elif line is not None or time.monotonic() > deadline:  # died (its child may kill it) or stopped
+                stdout = self.processes[k].stdout  # asked again: a replacement just now may have taken a while
+                line = stdout.readline() if stdout in readable or select.select([stdout], [], [], 0)[0] else None
+                if line is None and time.monotonic() < deadline:
+                    continue  # still running
+                results[call] = _parse_answer(line)
+                if results[call] is None:  # it died (its child may kill it), stopped answering, or wrote junk
                     results[call] = ("", "the sandbox process died or stopped answering; it was replaced")
                     self._stop(self.processes[k])
                     self.processes[k] = self._start()
                     self._ready(self.processes[k])
-                else:
-                    continue
                 del busy[k]
         return results
 
     @staticmethod
     def _stop(process):
         with contextlib.suppress(OSError):
-            process.kill()  # its running child, if any, dies with it (PR_SET_PDEATHSIG)
+            os.killpg(process.pid, signal.SIGKILL)  # its group: itself and a running child (which also has PDEATHSIG)
         process.wait()
         for pipe in (process.stdin, process.stdout):
             with contextlib.suppress(OSError):
@@ -288,7 +324,7 @@ class PythonSandbox:
     def close(self):
         for process in self.processes:
             self._stop(process)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        _remove(self.folder)
 
     def __enter__(self):
         return self
