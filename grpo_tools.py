@@ -544,6 +544,8 @@ def main(args):
     # as many sandbox processes as reward workers: a turn's calls run in parallel
     sandbox = PythonSandbox(args.reward_workers or default_reward_workers(), args.tool_timeout, args.tool_memory_mb,
                             modules=args.tool_modules)
+    if sandbox.warning:
+        accelerator.print(f"warning: {sandbox.warning}")
 
     model = load_model(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)

@@ -135,8 +135,9 @@ class _CappedText(io.TextIOBase):
 def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
     """A sandbox process, a fresh interpreter (not a fork of the trainer: it holds no torch, so forking it is cheap).
     It imports `modules` (a call's import of them is then free, and works even where the user nobody cannot read the
-    Python installation), takes its limits, answers "" (or why it could not) on stdout, then reads one JSON code
-    string per line on stdin and answers each with one JSON [output, error] line, every call in a child of its own."""
+    Python installation), takes its limits, makes two test calls, answers [why it cannot run calls or "", a warning
+    or ""] on stdout, then reads one JSON code string per line on stdin and answers each with one JSON [output, error]
+    line, every call in a child of its own."""
     channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -157,12 +158,23 @@ def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
         limit_process(memory_bytes, file_bytes)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except BaseException as e:  # noqa: BLE001 - e.g. a module that cannot be imported: the sandbox stops
-        return answer(f"{type(e).__name__}: {e}")
-    answer("")
-    for line in channel_in:  # until the trainer closes the pipe
+        return answer([f"{type(e).__name__}: {e}", ""])
+
+    def call(code):
         folder = tempfile.mkdtemp(dir=root)
-        answer(_run_code(json.loads(line), max_chars, timeout, folder))
+        result = _run_code(code, max_chars, timeout, folder)
         _remove(folder)  # after the answer: a call that made many files does not delay it
+        return result
+
+    test = call("print(6 * 7)")  # a child that cannot take its limits or user never runs a call: the run stops
+    if test != ("42\n", ""):
+        return answer([f"a test call gave {test}", ""])
+    readable = call("import sys\n__import__(next(name for name in ('colorsys', 'tabnanny', 'netrc', 'wave') "
+                    "if name not in sys.modules))") == ("", "")  # a small module not imported yet
+    answer(["", "" if readable else f"the sandbox's user cannot read the Python installation ({sys.prefix}): a tool "
+                                    "call can import only the sandbox's modules and what they import at start"])
+    for line in channel_in:  # until the trainer closes the pipe
+        answer(call(json.loads(line)))
 
 
 def _remove(folder):
@@ -274,13 +286,12 @@ class PythonSandbox:
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _ready(self, process):
-        """Wait for a new sandbox process's first answer: "" once its limits hold."""
+        """Wait for a new sandbox process's first answer (["", warning] once its limits hold); keep its warning."""
         line = process.stdout.readline() if select.select([process.stdout], [], [], 60)[0] else b""
-        if line.strip() != b'""':
+        why, self.warning = _parse_answer(line) or (
+            "it ended before it was ready" if process.poll() is not None else "it did not start within 60 s", "")
+        if why:
             self.close()
-            why = ("it ended before it was ready" if process.poll() is not None else "it did not start within 60 s")
-            with contextlib.suppress(ValueError):
-                why = json.loads(line) if line else why  # its own reason
             raise RuntimeError(f"the Python sandbox could not start: {why}")
 
     def run(self, codes):
@@ -292,7 +303,8 @@ class PythonSandbox:
         while todo or busy:
             for k in range(len(self.processes)):
                 if k not in busy and todo:
-                    busy[k] = (todo.pop(), time.monotonic() + self.timeout + 2)  # a backstop: each call times itself
+                    # a backstop: each call times itself; the slack covers removing the folders of the call before
+                    busy[k] = (todo.pop(), time.monotonic() + self.timeout + 10)
                     with contextlib.suppress(OSError):  # a process that died answers nothing, and is replaced below
                         self.processes[k].stdin.write(json.dumps(codes[busy[k][0]]).encode() + b"\n")
                         self.processes[k].stdin.flush()
