@@ -118,9 +118,9 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     """seconds a tool call may run; past it, the process running it is killed and the call gets an error"""
     tool_memory_mb: int = 512
     """address-space limit of each sandbox process, on top of what it maps at start"""
-    tool_modules: tuple[str, ...] = ("math", "fractions", "numpy", "sympy")
+    tool_modules: tuple[str, ...] = ("math", "fractions", "statistics")
     """modules each sandbox process imports at start: free to import in a call (a root trainer's sandbox runs as the
-    user nobody, who may not be able to read others)"""
+    user nobody, who may not be able to read others); add numpy sympy for math tools (each call then costs more)"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
