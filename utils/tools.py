@@ -160,10 +160,11 @@ def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
     except BaseException as e:  # noqa: BLE001 - e.g. a module that cannot be imported: the sandbox stops
         return answer([f"{type(e).__name__}: {e}", ""])
 
-    def call(code):
+    def call(code, reply=lambda result: None):
         folder = tempfile.mkdtemp(dir=root)
         result = _run_code(code, max_chars, timeout, folder)
-        _remove(folder)  # after the answer: a call that made many files does not delay it
+        reply(result)
+        _remove(folder)  # after the reply: a call that made many files does not delay it
         return result
 
     test = call("print(6 * 7)")  # a child that cannot take its limits or user never runs a call: the run stops
@@ -174,7 +175,7 @@ def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
     answer(["", "" if readable else f"the sandbox's user cannot read the Python installation ({sys.prefix}): a tool "
                                     "call can import only the sandbox's modules and what they import at start"])
     for line in channel_in:  # until the trainer closes the pipe
-        answer(call(json.loads(line)))
+        call(json.loads(line), reply=answer)
 
 
 def _remove(folder):
