@@ -160,10 +160,11 @@ def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
     except BaseException as e:  # noqa: BLE001 - e.g. a module that cannot be imported: the sandbox stops
         return answer([f"{type(e).__name__}: {e}", ""])
 
-    def call(code, reply=lambda result: None):
+    def call(code, reply=None):
         folder = tempfile.mkdtemp(dir=root)
         result = _run_code(code, max_chars, timeout, folder)
-        reply(result)
+        if reply:
+            reply(result)
         _remove(folder)  # after the reply: a call that made many files does not delay it
         return result
 
@@ -226,7 +227,7 @@ def _run_code(code, max_chars, timeout, folder):
 def _child(code, max_chars, folder, write_end, parent, timeout):
     """The forked child of one call: as root it becomes nobody (it can then signal no root process, its sandbox
     process among them), it dies with its sandbox process, keeps no file of it but its result pipe, starts no process
-    or thread, has timeout + 1 s of CPU, runs the code with its output capped, and writes (output, error) as JSON to
+    or thread, has timeout + 2 s of CPU, runs the code with its output capped, and writes (output, error) as JSON to
     write_end."""
     if os.getuid() == 0:
         os.chown(folder, NOBODY, NOBODY)
@@ -249,7 +250,7 @@ def _child(code, max_chars, folder, write_end, parent, timeout):
             exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
         error = traceback.format_exception_only(type(e), e)[-1].strip()
-    data = json.dumps([_clean(stdout.getvalue()), _clean(error)[:max_chars]]).encode()
+    data = json.dumps([stdout.getvalue(), error[:max_chars]]).encode()  # its sandbox process cleans what it reads
     with contextlib.suppress(OSError):
         while data:
             data = data[os.write(write_end, data):]
@@ -272,7 +273,7 @@ class PythonSandbox:
     """
 
     def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=()):
-        self.timeout, self.max_output_chars = timeout, max_output_chars
+        self.timeout = timeout
         self.config = json.dumps([list(modules), memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout])
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
         os.chmod(self.folder, 0o711)  # a process that became nobody can reach its own folder, not list the others
