@@ -6,7 +6,7 @@ GRPO's clipped surrogate multiplies grad log pi_theta by the ratio r: for A > 0 
 rose get the larger weight. ASPO gives a positive token the weight 1/r instead, as a negative token already gets r
 (both shrink the step where the policy has moved in the advantage's direction). The gradient, per token:
 
-  grad J(theta) = E[ 1/(sum_i |o_i|) sum_i sum_t min(w_it, c) A_i grad log pi_theta(o_it | q, o_i<t) ]
+  grad J(theta) = 1/(sum_i |o_i|) sum_i sum_t min(w_it, c) A_i grad log pi_theta(o_it | q, o_i<t)
 
   w_it = 1 / r_it   if A_i >= 0 and r_it <= 1 + eps_high    (0 above: PPO's clip, on r itself)
   w_it = r_it       if A_i < 0  and r_it >= 1 - eps_low     (0 below: PPO's clip)
@@ -14,44 +14,56 @@ rose get the larger weight. ASPO gives a positive token the weight 1/r instead, 
                     (PPO's dual clip zeroes it), from the loss -c A log pi_theta on those tokens
   r_it = pi_theta / pi_old per token;  A_i = GRPO's group z-score
 
-The positive tokens' loss is -A * (r_hat / sg(r_hat)) / sg(r_hat), r_hat = min(r, 1 + eps_high): its value is -A / r_hat
-and its gradient -A / r_hat grad log pi_theta. On-policy (r = 1) every weight is 1 and ASPO is GRPO with token-mean;
-it only differs off-policy, so the default takes 4 mini-batch steps per rollout batch. The defaults follow the
-authors' training scripts (github.com/wizard-III/Archer2.0): eps 0.2, c 3, token-mean, k3 KL in the loss with
-beta 0.001. Those scripts also widen eps to 0.4 on each sequence's top-20 % entropy tokens (Archer, arXiv
-2507.15778); that part is not ASPO and is not here. Differences from grpo.py: compute_loss, the defaults above,
---dual_clip_c, and the ASPO metrics. `diff grpo.py aspo.py` shows exactly this.
+Worked example: A = 1, r = 1.1 gives weight 1/1.1 = 0.909 here and 1.1 in grpo.py; A = 1, r = 0.25 gives 1/0.25 = 4,
+capped at c = 3. The positive tokens' loss is -A * (r_hat / sg(r_hat)) / sg(r_hat), r_hat = min(r, 1 + eps_high): its
+value is -A / r_hat and its gradient -A / r_hat grad log pi_theta. On-policy (r = 1) every weight is 1 and ASPO is
+grpo.py's policy gradient with token-mean; it differs only off-policy. The defaults follow the authors' training
+scripts (github.com/wizard-III/Archer2.0): eps 0.2, c 3, token-mean, k3 KL in the loss with beta 0.001. Those scripts
+also widen eps to 0.4 on each sequence's top-20 % entropy tokens (Archer, arXiv 2507.15778); that part is not ASPO and
+is not here.
+
+What `diff grpo.py aspo.py` shows: compute_loss (the weights above, the token-mean normalizer, the ASPO metrics), the
+clip range as two flags, --dual_clip_c, beta 0.001, and 4 mini-batches per rollout batch (mu = 4).
 """
 
 import contextlib
 import importlib.util
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
 import torch
+import tyro
 
-from utils.checks import check_lengths, resolve_args
-from utils.hf_engine import Sample, hf_generate
-from utils.models import load_tokenizer
+from utils.batch import make_batch, micro_batches
+from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
+                          check_run_args, largest_divisor)
+from utils.hf_engine import HFDecoder, Sample
+from utils.models import load_tokenizer, resolve_model
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, decoupled_group_advantages, engine_is_weights,
-                      entropy_threshold, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted, make_batch,
-                      micro_batches, pass_at_k, slice_batch)
-from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
-                        quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics, write_eval_only)
-from utils.tasks import TOY_MODEL_DIR, load_splits
+from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
+from utils.runs import (RunArgs, StepStats, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
+                        resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics, write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
 
 
 @dataclass
-class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.py
-    # experiment
-    exp_name: str = "aspo"
-    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
-    seed: int = 1
-    """random seed"""
+class Args:
+    # ASPO
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    clip_eps_low: float = 0.2
+    """negative-advantage tokens: the ratio is clipped below at 1 - clip_eps_low (PPO's clip)"""
+    clip_eps_high: float = 0.2
+    """positive-advantage tokens: the ratio is clipped above at 1 + clip_eps_high, then its weight is 1/r"""
+    dual_clip_c: float = 3.0
+    """soft dual clip: an importance weight (r, or 1/r for A >= 0) above c is c, the token's gradient kept; > 1"""
+    beta: float = 0.001
+    """coefficient of the k3 KL to the initial policy in the loss (the authors' scripts: 0.001); 0: no reference"""
+    adv_eps: float = 1e-6
+    """added to the group's std in the advantage"""
     # model and task
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
@@ -59,25 +71,25 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
     train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
-    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"
     """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
     max_prompt_length: int = 512
     """prompts longer than this (tokens) are dropped at load time, with a count"""
     max_new_tokens: Optional[int] = None
-    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
+    """completion length limit; None: 48 for the embedded model (and models trained from it), else 1024"""
     # rollout
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
     temperature: float = 1.0
     """sampling temperature of rollouts; the trainer divides its logits by it too"""
     top_p: float = 1.0
     """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
-    num_generations: int = 8
-    """G, completions per prompt (a group)"""
-    prompts_per_step: int = 32
-    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
     # optimization
     learning_rate: Optional[float] = None
-    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    """AdamW learning rate; None: 5e-4 for the embedded model (and models trained from it), else 1e-6"""
     total_steps: int = 200
     """rollout steps"""
     num_epochs: int = 1
@@ -85,157 +97,180 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     num_minibatches: int = 4
     """optimizer steps per pass over a rollout batch (several: ASPO only differs from GRPO off-policy)"""
     micro_batch_size: Optional[int] = None
-    """sequences per forward/backward pass (gradient accumulation); None: 32 for the embedded model, 16 otherwise"""
+    """sequences per forward/backward pass (gradient accumulation); None: the largest divisor of a process's
+    mini-batch (prompts_per_step / processes * G / num_minibatches) up to 32 for the embedded model, else 16"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    # ASPO
-    clip_eps_low: float = 0.2
-    """negative-advantage tokens: ratio clipped below at 1 - clip_eps_low (PPO's clip)"""
-    clip_eps_high: float = 0.2
-    """positive-advantage tokens: ratio clipped above at 1 + clip_eps_high, before its weight is flipped to 1/r"""
-    dual_clip_c: float = 3.0
-    """soft dual clip: an importance weight (r, or 1/r for A >= 0) above c is c, the token's gradient kept; > 1"""
-    beta: float = 0.001
-    """KL coefficient (the authors' scripts: 0.001, k3 in the loss); 0 loads no reference model"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """advantage = (R - group mean) / std of the group, of the whole batch, or not divided (Dr. GRPO)"""
-    adv_eps: float = 1e-6
-    """added to the std of the advantage normalization"""
-    loss_agg: str = "token-mean"
-    """token-mean (the authors' code), seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"""
-    format_reward_weight: float = 0.1
-    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
-    # switches from other papers (their defaults leave the algorithm as its paper has it)
-    kl_estimator: Literal["k1", "k2", "k3", "k3+", "k3_is"] = "k3"
-    """k3: the paper (forward-KL gradient); k2, k3+ (k3 value, k2 gradient), k3_is (pi/pi_old * k3): reverse KL"""
-    kl_in_reward: bool = False
-    """subtract beta * sum_t KL from each reward (detached) instead of adding it to the loss; needs --kl_estimator k1"""
-    reward_norm: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """advantages of the weighted sum (GRPO), or of each reward z-scored in its group, summed, batch z-scored (GDPO)"""
-    top_entropy_frac: float = 1.0
-    """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
+    # engine/trainer mismatch
     tis_cap: float = 0.0
-    """if > 0, weight the policy gradient by pi_old / pi_engine bounded by this cap (--tis_mode): the engine/trainer
-    mismatch"""
+    """if > 0, weight the policy gradient by pi_old / pi_engine bounded by this cap (--tis_mode): the engine samples
+    with other kernels (vLLM in bf16) than the trainer computes pi_old with"""
     tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
     """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
+    # experiment
+    exp_name: Optional[str] = None
+    """the run's folder name under --output_dir; None: the script, model, task, a hash of the changed flags, seed"""
+    seed: int = 1
+    """random seed"""
+    run: tyro.conf.OmitArgPrefixes[RunArgs] = field(default_factory=RunArgs)
+    """logging, rollout engine, reward workers, evaluation, checkpoints"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
 
 
-def check_algorithm_args(args, num_processes=1):
-    """ASPO's own argument checks (called by resolve_args)."""
+def check_algorithm_args(args, num_processes):
+    """ASPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    the processes a step's prompts divide over."""
     if args.num_generations < 2:
         raise ValueError(f"--num_generations {args.num_generations}: ASPO needs groups of >= 2 completions (a group "
                          "of one has advantage 0 and learns nothing)")
-    if args.beta < 0:
-        raise ValueError(f"--beta {args.beta}: must be >= 0 (0 turns the KL term off)")
-    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0:
-        raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
+    if min(args.beta, args.clip_eps_low, args.clip_eps_high, args.adv_eps) < 0:
+        raise ValueError("--beta, --clip_eps_low, --clip_eps_high and --adv_eps must be >= 0 (--beta 0: no KL term)")
     if not args.dual_clip_c > 1:
         raise ValueError(f"--dual_clip_c {args.dual_clip_c}: must be > 1 (a cap on importance weights near 1)")
-    if args.loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
-    if args.reward_norm == "normalize_then_sum" and (args.kl_in_reward or args.scale_rewards != "group"):
-        raise ValueError("--reward_norm normalize_then_sum z-scores each reward in its group: use it with "
-                         "--scale_rewards group and without --kl_in_reward")
-    if args.beta > 0 and (args.kl_estimator == "k1") != args.kl_in_reward:  # the KL's gradient: arXiv 2506.09477
-        raise ValueError("--kl_estimator k1 and --kl_in_reward go together: k1 as a loss has zero expected gradient, "
-                         "another estimator in the reward a biased one (k2/k3+/k3_is belong in the loss)")
 
 
-def compute_advantages(rewards, num_generations, scale, eps):
-    """Scalar rewards of consecutive groups of G completions (flat) -> one advantage per completion (flat)."""
-    return group_advantages(rewards.view(-1, num_generations), scale, eps).view(-1)
+def compute_advantages(rewards, args):
+    """rewards (B,), consecutive groups of G = --num_generations -> advantages (B,):
+    A_i = (R_i - mean of its group) / (std of its group + --adv_eps)."""
+    return group_zscore(rewards.view(-1, args.num_generations), args.adv_eps).view(-1)
 
 
-def kl_term(logp, ref_logp, old_logp, estimator):
-    """Per-token KL penalty for the loss; see utils/rl.py for the gradient each estimator gives."""
-    if estimator == "k3_is":
-        return kl_k3_importance_weighted(logp, ref_logp, old_logp)
-    if estimator == "k3+":
-        return kl_k3(logp, ref_logp, straight_through=True)
-    return {"k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)  # k1 belongs in the reward (check_algorithm_args)
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
+    """-J(theta) on one micro-batch, as its share of the optimizer mini-batch's loss: summed over the mini-batch's
+    micro-batches and processes, the shares give that loss exactly. Per token, the flipped (A >= 0) or ordinary
+    (A < 0) clipped surrogate, or -c A log pi where the soft dual clip caps the weight.
 
-
-def loss_settings(args):
-    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
-    settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
-                "beta": 0.0 if args.kl_in_reward else args.beta, "kl_estimator": args.kl_estimator,
-                "max_len": args.max_new_tokens}
-    settings["dual_clip_c"] = args.dual_clip_c
-    return settings
-
-
-def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
-                 clip_eps_high=0.2, dual_clip_c=3.0, beta=0.0, kl_estimator="k3", loss_agg="token-mean",
-                 num_seqs=None, num_tokens=None, max_len=None):
-    """ASPO loss of one micro-batch: per token, the flipped (A >= 0) or ordinary (A < 0) clipped surrogate, or
-    -c A log pi where the soft dual clip caps the weight (+ beta * KL), aggregated with global counts.
-
-    logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
-    whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give
-    the mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same global
-    num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean; `maxes` are maxima.
-    """
-    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
-    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    logp (B, T), with gradient; old_logp, ref_logp (None when beta = 0), mask: (B, T); advantages (B, T): A_i on each
+    token of completion i. counts = (num_seqs, num_tokens): the completions and tokens of the whole mini-batch, over
+    every micro-batch and process. args: the flags of the loss (--clip_eps_low, --clip_eps_high, --dual_clip_c,
+    --beta). Returns (loss, means: statistics as shares of their mini-batch mean, maxes)."""
+    num_seqs, num_tokens = counts
     log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1).expand_as(logp)
-    positive = adv >= 0  # A = 0 contributes 0 on either side
-    high = ratio.clamp(max=1 + clip_eps_high)  # A >= 0: PPO's clip on r (no gradient above 1 + eps_high) ...
-    flipped = -adv * (high / high.detach()) / high.detach()  # ... then the weight flipped: value -A/r, grad -A/r
-    low = ratio.clamp(min=1 - clip_eps_low)  # A < 0: PPO's clipped surrogate, value -A r, grad -A r
+    positive = advantages >= 0  # A = 0 contributes 0 on either side
+    high = ratio.clamp(max=1 + args.clip_eps_high)  # A >= 0: PPO's clip on r (no gradient above 1 + eps_high) ...
+    flipped = -advantages * (high / high.detach()) / high.detach()  # ... then the weight flipped: value -A/r, grad -A/r
+    low = ratio.clamp(min=1 - args.clip_eps_low)  # A < 0: PPO's clipped surrogate, value -A r, grad -A r
     weight = torch.where(positive, 1 / high, low).detach()  # the weight each token's grad log pi gets
-    dual = weight > dual_clip_c  # soft dual clip: the weight capped at c, the gradient kept
-    per_token = torch.where(dual, -dual_clip_c * adv * logp, torch.where(positive, flipped, -adv * low))
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    if beta > 0:
-        kl = kl_term(logp, ref_logp, old_logp, kl_estimator)
-        per_token = per_token + beta * kl
-    loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
+    dual = weight > args.dual_clip_c  # soft dual clip: the weight capped at c, the gradient kept
+    per_token = torch.where(dual, -args.dual_clip_c * advantages * logp, torch.where(positive, flipped,
+                                                                                      -advantages * low))
+    if args.beta > 0:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + args.beta * kl
+    loss = (per_token * mask).sum() / num_tokens  # token-mean: every token of the mini-batch weighs the same
     with torch.no_grad():
         m = mask.bool()
-        clipped = (positive & (ratio > 1 + clip_eps_high)) | (~positive & (ratio < 1 - clip_eps_low))  # no gradient
-        means = {"policy/clip_frac": clipped[m].float().sum() / num_tokens,
+        clipped = (positive & (ratio > 1 + args.clip_eps_high)) | (~positive & (ratio < 1 - args.clip_eps_low))
+        means = {"policy/clip_frac": clipped[m].float().sum() / num_tokens,  # no gradient
                  "policy/dual_clip_frac": dual[m].float().sum() / num_tokens,
                  "policy/ratio_mean": ratio[m].sum() / num_tokens,
                  "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
-        if beta > 0:
+        if args.beta > 0:
             means["losses/kl"] = kl[m].sum() / num_tokens
-        maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
-    return loss, means, maxes
+    return loss, means, {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
 
 
-# ---- Model --------------------------------------------------------------------------------------------------------
+# ---- Run setup ------------------------------------------------------------------------------------------------------
 
 
-def load_model(args, tokenizer):
+def resolve_args(args, num_processes):
+    """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
+    one line that says what to change, before any model loads. A GGUF model is converted here on first use."""
+    embedded = is_toy_shaped(args.model)
+    if args.learning_rate is None:
+        args.learning_rate = 5e-4 if embedded else 1e-6
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48 if embedded else 1024
+    if args.micro_batch_size is None:
+        minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
+        args.micro_batch_size = largest_divisor(minibatch, 32 if embedded else 16)
+    if args.task in TOY_TASKS:
+        args.answer_format = "answer_tags"
+    check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
+                   "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
+    check_fraction(args, "top_p")  # temperature 0 would divide the trainer's logits by 0 (greedy is for evaluation)
+    if 0 < args.tis_cap <= 1:
+        raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
+    check_run_args(args.run, args.total_steps)
+    check_model_and_task(args.model, args.task)
+    check_batch_layout(args.prompts_per_step, args.num_generations, args.num_minibatches, args.micro_batch_size,
+                       num_processes)
+    check_algorithm_args(args, num_processes)
+    args.model = resolve_model(args.model)
+    check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)
+    return args
+
+
+def start_run(args):
+    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume (None: a new run), the
+    tokenizer and its stop tokens, the train and test rows; bad input is a one-line error before any model loads."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    torch.set_num_threads(args.run.threads)
+    quiet_libraries()
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo when launched as several
+    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+                              if on_gpu else "no")
+    script = os.path.splitext(os.path.basename(__file__))[0]
+    run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        checkpoint = resume_checkpoint(run_dir, args.run)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        train_rows, test_rows, summary = load_splits(
+            args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,
+            0 if args.run.eval_only else args.prompts_per_step,
+            accelerator.num_processes if args.run.eval_every or args.run.eval_only else 0)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
+    set_seed(args.seed, device_specific=True)
+    return accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows
+
+
+# ---- Model ----------------------------------------------------------------------------------------------------------
+
+
+def load_model(model_name, tokenizer):
     """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
     weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.config.use_cache = False  # training passes build no KV cache (hf_generate asks for one itself)
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    model.config.use_cache = False  # training passes build no KV cache (the HF decode loop asks for one itself)
     model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
     return model
+
+
+def load_models(args, tokenizer, accelerator, with_reference):
+    """The policy and its optimizer, prepared (DDP or FSDP), and the frozen reference model (None without)."""
+    model = load_model(args.model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    ref_model = None
+    if with_reference and not args.run.eval_only:
+        ref_model = load_model(args.model, tokenizer).eval().requires_grad_(False)
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    return model, optimizer, ref_model
 
 
 # ---- Token log-probs ------------------------------------------------------------------------------------------------
 
 
-def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
-    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
-
-    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
-    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
-    """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    completion = input_ids[:, prompt_width:]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+def token_logprobs(model, batch, temperature, with_entropy=False):
+    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature; and the
+    entropy of each position's distribution (B, T) with_entropy (else None). Only the T + 1 last positions' logits
+    are computed, and the float32 full-vocabulary log-softmax exists for this micro-batch only."""
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = batch.input_ids[:, batch.prompt_width:]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
                    logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
     logits = logits.float()  # one float32 (B, T, V) copy; divided only when temperature != 1
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
@@ -248,30 +283,36 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, micro_batch_size, num_minibatches=1, with_entropy=False):
-    """Trainer log-probs (pi_old, pi_ref) of a rollout batch, and their entropies with_entropy (else None). The
-    micro-batches are update_policy's first epoch's, so pi_old here and the first mini-batch's pi_theta are equal."""
-    logp = torch.zeros_like(batch["completion_mask"])
-    entropy = torch.zeros_like(logp) if with_entropy else None
-    for minibatch in torch.arange(len(logp), device=logp.device).chunk(num_minibatches):
-        for rows, mc in micro_batches(batch, minibatch, micro_batch_size):
-            mc_logp, mc_entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
-                                                 temperature, with_entropy)
-            logp[rows, :mc_logp.shape[1]] = mc_logp
-            if with_entropy:
-                entropy[rows, :mc_logp.shape[1]] = mc_entropy
-    return logp, entropy
+def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
+    """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
+    over the micro-batches of update_policy's first epoch: pi_old here equals that epoch's pi_theta bit for bit."""
+    logp = torch.zeros_like(batch.mask)
+    for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
+        for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
+            micro_logp, _ = token_logprobs(model, micro, temperature)
+            logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
+    return logp
 
 
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
 
 
+@dataclass
+class Engine:
+    """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
+    stop_ids: list  # token ids that end a completion
+    llm: object = None
+    asleep: bool = False  # sleep mode (GPU): woken for each rollout, put back to sleep after it
+    sleep_level: int = 2
+    weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
+
+
 def create_engine(args, accelerator, stop_ids):
-    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for the HF decode loop; both end a
-    completion at its first stop token (stop_ids)."""
+    """One in-process vLLM engine per rank (external_launcher), or the HF decode loop (--engine hf, or no CUDA or no
+    vLLM); both end a completion at its first stop token."""
     vllm_installed = importlib.util.find_spec("vllm") is not None
-    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
-        return {"llm": None, "stop_ids": stop_ids}
+    if args.run.engine == "hf" or (args.run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return Engine(stop_ids)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29511"}.items():
@@ -279,68 +320,64 @@ def create_engine(args, accelerator, stop_ids):
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
-    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+    extra = {"gpu_memory_utilization": args.run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
         "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
     # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
     llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
               dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
               logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
     if on_gpu:
-        llm.sleep(level=args.vllm_sleep_level)
-    # weights_version: how many training steps the engine's weights include (None: never pushed, or dropped by a
-    # level-2 sleep); generate() pushes whenever it differs from the policy's version
-    return {"llm": llm, "stop_ids": stop_ids, "weights_version": None, "asleep": on_gpu,
-            "sleep_level": args.vllm_sleep_level}
+        llm.sleep(level=args.run.vllm_sleep_level)
+    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=args.run.vllm_sleep_level)
 
 
 def push_weights(engine, model, accelerator):
     """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
     state_dict = accelerator.unwrap_model(model).state_dict()
     weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
-    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
 
 
 def wake_engine(engine, model, accelerator, policy_version):
     """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
     counts the training steps the weights include) -> seconds spent pushing. A caller that makes several engine calls
     of one rollout wakes it once around them (grpo_tools.py's turns): every call then samples from the same weights."""
-    llm, sync_time = engine["llm"], 0.0
-    if llm is None:
+    sync_time = 0.0
+    if engine.llm is None:
         return sync_time
-    if engine["asleep"]:
-        llm.wake_up(tags=["weights"])
-    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
+    if engine.asleep:
+        engine.llm.wake_up(tags=["weights"])
+    if engine.weights_version != policy_version:  # the first call always pushes; never stale or dropped weights
         start = time.time()
         push_weights(engine, model, accelerator)
-        engine["weights_version"], sync_time = policy_version, time.time() - start
-    if engine["asleep"]:
+        engine.weights_version, sync_time = policy_version, time.time() - start
+    if engine.asleep:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
-        llm.wake_up(tags=["kv_cache"])
+        engine.llm.wake_up(tags=["kv_cache"])
     return sync_time
 
 
 def sleep_engine(engine):
     """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
-    if engine["llm"] is not None and engine["asleep"]:
-        engine["llm"].sleep(level=engine["sleep_level"])
-        if engine["sleep_level"] == 2:
-            engine["weights_version"] = None
+    if engine.llm is not None and engine.asleep:
+        engine.llm.sleep(level=engine.sleep_level)
+        if engine.sleep_level == 2:
+            engine.weights_version = None
 
 
 def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
     """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
     policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
-    llm = engine["llm"]
-    if llm is None:
-        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator,
-                           engine["stop_ids"]), 0.0
+    if engine.llm is None:
+        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
+                                                   accelerator), 0.0
     from vllm import SamplingParams
 
     sync_time = wake_engine(engine, model, accelerator, policy_version)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                            stop_token_ids=engine["stop_ids"])
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                            stop_token_ids=engine.stop_ids)
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     sleep_engine(engine)
     return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
                    else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
@@ -352,16 +389,16 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
     """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
     top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate."""
-    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
-    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    run, world = args.run, accelerator.num_processes  # every rank gets as many problems: as many generate calls
+    mine = rows[: min(run.eval_size, len(rows)) // world * world][accelerator.process_index::world]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
-    ks = [2 ** i for i in range(1, args.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
+    ks = [2 ** i for i in range(1, run.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
     totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
-    size = 64 if engine["llm"] is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
+    size = 64 if engine.llm is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
     for start in range(0, len(prompts), size):
         chunk, chunk_rows = prompts[start:start + size], mine[start:start + size]
-        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
-            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+        for column, n, temperature in ((0, 1, 0.0), (1, run.eval_samples, run.eval_temperature)):
+            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, run.eval_top_p if temperature else 1.0,
                               args.max_new_tokens, accelerator, policy_version)
             texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
             acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
@@ -373,7 +410,7 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
         totals[2] += len(chunk)
     totals = accelerator.reduce(totals, reduction="sum")
     n = totals[2].clamp(min=1)
-    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{run.eval_samples}":
             (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
             "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
 
@@ -382,217 +419,132 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 
 
 def update_policy(args, model, optimizer, batch, accelerator):
-    """num_epochs passes of num_minibatches optimizer steps over one rollout batch.
+    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats.
 
-    pi_old's log-probs are batch["old_logp"] when the loop computed them (old_logp_pass). Without them the policy has
-    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
-    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
-    count the whole mini-batch over all processes. With pi_old's entropies in the batch (--top_entropy_frac), the
-    policy gradient flows through the mini-batch's top tokens by entropy only, the threshold taken over all its
-    tokens on every process (the KL term keeps every token). Returns (the pi_old log-probs the loss used, statistics
-    grouped by how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer
-    step whose loss or gradient norm is not finite, so NaN never reaches the weights.
-    """
-    n = len(batch["advantages"])
-    size = n // args.num_minibatches
-    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
-    sums, maxes, grad_norms, thresholds = {}, {}, [], []
+    pi_old is batch.old_logp when the loop computed it before the update (mu > 1); otherwise the policy has not moved
+    since the rollout, and this pass's own detached log-probs are pi_old's (one forward pass saved, as verl and TRL
+    do). The first mini-batch comes in the rollout's order, so its ratio is exactly 1. Normalizers count the whole
+    mini-batch over its micro-batches and every process. A non-finite gradient norm raises FloatingPointError before
+    the optimizer step, so NaN never reaches the weights."""
+    stats, size, mu = StepStats(), len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
+    batch_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
     for epoch in range(args.num_epochs):
-        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
-        for mb_start in range(0, n, size):
-            mb_rows = order[mb_start:mb_start + size]
-            mb = slice_batch(batch, mb_rows)
-            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
-                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
-            if mb.get("old_entropy") is not None:
-                thresholds.append(entropy_threshold(mb["old_entropy"], mb["completion_mask"], args.top_entropy_frac,
-                                                    lambda t: accelerator.gather(accelerator.pad_across_processes(
-                                                        t, pad_index=float("nan")))))
-                mb["pg_mask"] = (mb["old_entropy"] >= thresholds[-1]).float()
-            mb_loss = 0.0
-            for mc_start, (mc_rows, mc) in zip(range(0, size, args.micro_batch_size), micro_batches(
-                    mb, torch.arange(size, device=accelerator.device), args.micro_batch_size)):
-                last_micro_batch = mc_start + args.micro_batch_size >= size
-                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
-                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
-                with grad_sync:
-                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
-                                                   args.temperature, with_entropy=True)
-                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
-                    is_weights, bounded = None, None
-                    if args.tis_cap > 0:  # the engine/trainer mismatch: pi_old / pi_engine, bounded
-                        is_weights, bounded = engine_is_weights(old_logp, mc["engine_logp"], mc["completion_mask"],
-                                                                args.tis_cap, args.tis_mode)
-                    if "pg_mask" in mc:  # compute_loss weighs the surrogate by is_weights, not the KL term
-                        is_weights = mc["pg_mask"] * (1.0 if is_weights is None else is_weights)
-                    loss, token_means, mc_maxes = compute_loss(
-                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
-                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
+        order = torch.arange(len(batch)) if epoch == 0 else torch.randperm(len(batch))
+        for k, rows in enumerate(order.to(accelerator.device).split(size)):
+            minibatch = batch.select(rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
+                                                                   minibatch.mask.sum()]), reduction="sum").clamp(min=1)
+            micro = list(micro_batches(minibatch, args.micro_batch_size))
+            for j, (_, mc) in enumerate(micro):  # DDP/FSDP reduce the gradients in the last micro-batch's backward
+                with contextlib.nullcontext() if j == len(micro) - 1 else accelerator.no_sync(model):
+                    logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
+                    old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
+                    advantages = mc.advantages
+                    if args.tis_cap > 0:  # ---- engine/trainer mismatch: the policy gradient weighted by a bounded
+                        # pi_old / pi_engine (a weight w >= 0 on every token factors out of the clipped min)
+                        w, bounded = engine_is_weights(old_logp, mc.engine_logp, mc.mask, args.tis_cap, args.tis_mode)
+                        advantages = advantages * w
+                        stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
+                    loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
+                                                      (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
-                if "old_logp" not in batch:
-                    old_logp_used[mb_rows[mc_rows], :old_logp.shape[1]] = old_logp
-                m = mc["completion_mask"].bool()
-                mb_loss = mb_loss + loss.detach()
-                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
-                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
-                if bounded is not None:  # tokens whose mismatch weight was truncated or masked
-                    token_means["policy/tis_bounded_frac"] = bounded.sum() / num_tokens
-                if "pg_mask" in mc:
-                    token_means["policy/entropy_kept_frac"] = mc["pg_mask"][m].sum() / num_tokens
-                if epoch == 0 and mb_start == 0 and "old_logp" in batch:  # pi_old from its own pass must match
-                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
-                    ).mul(m).max()
-                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
-                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
-                for k, v in mc_maxes.items():
-                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+                m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
+                stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
+                          1 / mu)
+                stats.max(maxes)
+                if epoch == 0:  # every token once: the engine's sampling log-probs against the trainer's pi_old
+                    gap = (mc.engine_logp - old_logp).abs() * mc.mask
+                    stats.add({"rollout/logprob_gap_mean": gap.sum() / batch_tokens})
+                    stats.max({"rollout/logprob_gap_max": gap.max()})
+                if epoch == 0 and k == 0 and mc.old_logp is not None:  # pi_old from its own pass must equal pi_theta
+                    stats.max({"policy/first_minibatch_ratio_dev_max": ((logp.detach() - old_logp).exp() - 1).abs()
+                               .mul(mc.mask).max()})
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
-            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm)):  # one host sync per optimizer step
-                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm "
-                                         f"({grad_norm.item():.4g}) in epoch {epoch}, mini-batch {mb_start // size}")
-            grad_norms.append(grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            if not torch.isfinite(grad_norm):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite gradient norm in epoch {epoch}, mini-batch {k}")
+            stats.mean({"policy/grad_norm": grad_norm}, 1 / mu)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    means = {"policy/grad_norm": torch.stack(grad_norms).mean()}
-    if thresholds:  # the same on every process
-        means["policy/entropy_threshold"] = torch.stack(thresholds).mean()
-    return old_logp_used, {"sums": sums, "means": means, "maxes": maxes}
+    return stats
 
 
 # ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
-                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
+                "rollout/logprob_gap_mean", "eval/pass@1_greedy"]
 
 
 def main(args):
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
     from tqdm import tqdm
 
-    torch.set_num_threads(args.threads)
-    quiet_libraries()
-    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
-    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
-    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=mixed_precision if on_gpu else "no")
-    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
-    # Bad input fails here, in one line, before the models load.
-    try:
-        args = resolve_args(args, check_algorithm_args, accelerator.num_processes)
-        checkpoint = resume_checkpoint(run_dir, args)
-        tokenizer, stop_ids = load_tokenizer(args.model)
-        check_lengths(args)
-        train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    accelerator.print(summary)
-    set_seed(args.seed, device_specific=True)
-    # The reward workers start now, before the models and the engine: they warm up while those load.
-    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
-                          args.reward_timeout, args.reward_memory_mb)
-
-    model = load_model(args, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    ref_model = None
-    if args.beta > 0 and not args.eval_only:
-        ref_model = load_model(args, tokenizer).eval().requires_grad_(False)
-        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
-        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
-    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
+    scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
+                          args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load
+    model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
     engine = create_engine(args, accelerator, stop_ids)
-
-    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+    if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
         result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
         write_eval_only(accelerator, run_dir, args.model, result)
-        scorer.close()
-        return result
-
+        return scorer.close()
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
-
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    prompts_local = args.prompts_per_step // world
-    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1), or when the KL in
-    # the reward needs it before the update; otherwise update_policy's first forward pass gives it (one pass saved).
-    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (args.kl_in_reward and args.beta > 0) or (
-        args.top_entropy_frac < 1)  # the entropy threshold needs the whole batch's entropies before the update
-    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
-                    disable=not accelerator.is_main_process, dynamic_ncols=True)
-    for step in progress:
+    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
+        args.num_minibatches)
+    for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                     disable=not accelerator.is_main_process, dynamic_ncols=True):
         times = {"step": time.time()}
-        # 1. Rollout: each process samples G completions for its own whole groups of the step's prompts, from the
-        #    policy as it is after step - 1 training steps.
-        # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
+        # 1. Rollout: this process's whole groups of the step's prompts, drawn from (seed, step) alone (a resumed run
+        #    draws what an uninterrupted one would), sampled from the policy after step - 1 updates.
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
-        rows = [train_rows[i] for i in picks[rank * prompts_local:(rank + 1) * prompts_local]]
+        rows = [train_rows[i] for i in picks[rank * local_prompts:(rank + 1) * local_prompts]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-        times["rollout"] = time.time()
         samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
                                       args.max_new_tokens, accelerator, policy_version=step - 1)
-        # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
-        times["train"] = time.time()
+        times["rollout"] = time.time() - times["step"]
+        # 2. Reward, in the reward workers, while the trainer computes pi_ref (and pi_old when mu > 1).
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
-        mask = batch["completion_mask"]
-        if old_logp_pass:  # with pi_old's entropies when --top_entropy_frac needs them
-            batch["old_logp"], batch["old_entropy"] = batched_logprobs(
-                model, batch, args.temperature, args.micro_batch_size, args.num_minibatches, args.top_entropy_frac < 1)
+        if args.num_epochs * args.num_minibatches > 1:  # the policy moves before pi_old's last use: its own pass
+            batch.old_logp = batched_logprobs(model, batch, args.temperature, minibatch_size, args.micro_batch_size)
         if ref_model is not None:
-            batch["ref_logp"], _ = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size,
-                                                    args.num_minibatches)
-        # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
+            batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
+                                              args.micro_batch_size)
         accuracy, formats, counts = scorer.result(scoring)
-        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        rewards = task_rewards.to(accelerator.device)
-        if ref_model is not None and args.kl_in_reward:  # detached sequence KL (k1) subtracted before the advantages
-            kl = kl_k1(batch["old_logp"], batch["ref_logp"]) * mask
-            rewards = rewards - args.beta * kl.sum(-1)
-        all_rewards = accelerator.gather(rewards)
-        if args.reward_norm == "normalize_then_sum":  # GDPO: accuracy and format each z-scored in its group first
-            parts = accelerator.gather(torch.tensor([accuracy, formats], device=accelerator.device).T.float())
-            advantages = decoupled_group_advantages(parts, torch.tensor([1.0, args.format_reward_weight]), G,
-                                                    args.adv_eps)
-        else:
-            advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
-        batch["advantages"] = advantages.view(world, -1)[rank]
-        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
+        rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        # 3. Advantages, from every process's rewards (each process holds whole groups).
+        all_rewards = accelerator.gather(rewards.to(accelerator.device))
+        advantages = compute_advantages(all_rewards, args).view(world, -1)[rank]
+        batch.advantages = advantages[:, None] * batch.mask  # A_i on each token of completion i, (B, T)
+        # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
         try:
-            old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)
+            stats = update_policy(args, model, optimizer, batch, accelerator)
         except FloatingPointError as e:
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        num_tokens = add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
-        if ref_model is not None and args.kl_in_reward:  # the KL the rewards paid, per token (not in the loss)
-            train_stats["sums"]["losses/kl"] = kl.sum() / num_tokens
-        metrics = step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, {
-            "step": time.time() - times["step"], "rollout": times["train"] - times["rollout"],
-            "weight_sync": sync_time, "score": scoring.waited, "score_hidden": scoring.hidden})
-        metrics["charts/reward_std"] = all_rewards.std().item()
-        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
+            "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
+            "score": scoring.waited, "score_hidden": scoring.hidden})
+        metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
+        if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
             start = time.time()
-            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
-                                    policy_version=step))
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, step))
             metrics["time/eval"] = time.time() - start
-        metrics["step"] = step
         if accelerator.is_main_process:
-            log_step(metrics_file, metrics, args, progress.write, CONSOLE_KEYS, [
-                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], task_rewards[i])
+            log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
+                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
                 for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
+        if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
     scorer.close()
     if accelerator.is_main_process:
-        close_metrics(metrics_file, args.track)
+        close_metrics(metrics_file, args.run.track)
 
 
 if __name__ == "__main__":
-    import tyro
-
     main(tyro.cli(Args))

