@@ -122,7 +122,7 @@ def compute_advantages(parts, args):
     """parts (B, K): K rewards of B completions in consecutive groups of G = --num_generations -> advantages (B,):
     each reward z-scored in its group, summed with its weight (accuracy 1, format --format_reward_weight), the sum
     z-scored over the batch (std + --adv_eps at both levels)."""
-    weights = torch.tensor([1.0, args.format_reward_weight], device=parts.device)
+    weights = torch.tensor([1.0, args.format_reward_weight], dtype=parts.dtype, device=parts.device)
     per_reward = torch.stack([group_zscore(parts[:, k].view(-1, args.num_generations), args.adv_eps).view(-1)
                               for k in range(parts.shape[1])], dim=-1)
     summed = per_reward @ weights
@@ -183,7 +183,6 @@ def resolve_args(args, num_processes):
                        num_processes)
     check_algorithm_args(args, num_processes)
     args.model = resolve_model(args.model)
-    check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)
     return args
 
 
@@ -203,6 +202,7 @@ def start_run(args):
     run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
     try:
         args = resolve_args(args, accelerator.num_processes)
+        check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)  # reads the model's config
         checkpoint = resume_checkpoint(run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(

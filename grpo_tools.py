@@ -204,7 +204,6 @@ def resolve_args(args, num_processes):
                        num_processes)
     check_algorithm_args(args, num_processes)
     args.model = resolve_model(args.model)
-    check_lengths(args.model, args.max_prompt_length, args.max_new_tokens, args.max_turns * args.max_tool_tokens)
     return args
 
 
@@ -224,6 +223,8 @@ def start_run(args):
     run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
     try:
         args = resolve_args(args, accelerator.num_processes)
+        check_lengths(args.model, args.max_prompt_length, args.max_new_tokens,  # reads the model's config
+                      args.max_turns * args.max_tool_tokens)
         checkpoint = resume_checkpoint(run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(

@@ -174,6 +174,11 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
     return loss, means, {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
 
 
+@dataclass
+class Batch(RolloutBatch):
+    old_entropy: Optional[torch.Tensor] = None  # (B, T) the entropy of each token's distribution under pi_old
+
+
 # ---- Run setup ------------------------------------------------------------------------------------------------------
 
 
@@ -201,7 +206,6 @@ def resolve_args(args, num_processes):
                        num_processes)
     check_algorithm_args(args, num_processes)
     args.model = resolve_model(args.model)
-    check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)
     return args
 
 
@@ -221,6 +225,7 @@ def start_run(args):
     run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
     try:
         args = resolve_args(args, accelerator.num_processes)
+        check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)  # reads the model's config
         checkpoint = resume_checkpoint(run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(
@@ -232,11 +237,6 @@ def start_run(args):
     accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
     set_seed(args.seed, device_specific=True)
     return accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows
-
-
-@dataclass
-class Batch(RolloutBatch):
-    old_entropy: Optional[torch.Tensor] = None  # (B, T) the entropy of each token's distribution under pi_old
 
 
 # ---- Model ----------------------------------------------------------------------------------------------------------

@@ -33,9 +33,8 @@ sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
 import grpo_async  # noqa: E402
-from utils.checks import resolve_args  # noqa: E402
-from utils.rl import make_batch  # noqa: E402
-from utils.runs import quiet_libraries  # noqa: E402
+from utils.batch import make_batch  # noqa: E402
+from utils.runs import RunArgs, quiet_libraries  # noqa: E402
 
 SHAPES = {  # Qwen2.5-0.5B's config; tiny: the same architecture at a size a CPU runs in seconds
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -70,32 +69,26 @@ def run_engine(engine_name, opts, model_dir):
     from accelerate import Accelerator
 
     on_gpu = torch.cuda.is_available()
-    args = resolve_args(grpo.Args(model=model_dir, task="toy", engine=engine_name, max_new_tokens=opts.new_tokens,
-                                  max_prompt_length=opts.prompt_len, num_generations=opts.generations,
-                                  prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
-                                  learning_rate=1e-6, beta=0.04, eval_every=0,
-                                  vllm_gpu_memory_utilization=opts.gpu_memory_utilization), grpo.check_algorithm_args)
+    run = RunArgs(engine=engine_name, eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization)
+    args = grpo.resolve_args(grpo.Args(model=model_dir, task="toy", max_new_tokens=opts.new_tokens,
+                                       max_prompt_length=opts.prompt_len, num_generations=opts.generations,
+                                       prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
+                                       learning_rate=1e-6, beta=0.04, run=run), 1)
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    ref_model = grpo.load_model(args, tokenizer).eval().requires_grad_(False)
-    ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
-    model.eval()
+    model, optimizer, ref_model = grpo.load_models(args, tokenizer, accelerator, with_reference=True)
     result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "memory_trainer_loaded": gpu_memory_gb()}
     start = time.time()
     engine = grpo.create_engine(args, accelerator, stop_ids)
     result["engine_start_s"] = time.time() - start
-    if engine["llm"] is not None and engine["asleep"]:  # what sleep frees: the engine awake, then asleep again
+    if engine.llm is not None and engine.asleep:  # what sleep frees: the engine awake, then asleep again
         result["memory_engine_asleep"] = gpu_memory_gb()
-        engine["llm"].wake_up()
+        engine.llm.wake_up()
         result["memory_engine_awake"] = gpu_memory_gb()
         start = time.time()
-        engine["llm"].sleep(level=args.vllm_sleep_level)
+        grpo.sleep_engine(engine)
         result["sleep_s"] = time.time() - start
-        engine["weights_version"] = None if args.vllm_sleep_level == 2 else engine["weights_version"]
         result["memory_engine_slept"] = gpu_memory_gb()
     generator = torch.Generator().manual_seed(1)
     steps = []
@@ -110,32 +103,30 @@ def run_engine(engine_name, opts, model_dir):
         times["rollout"] = time.time()
         batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples, tokenizer.pad_token_id,
                            accelerator.device)
-        batch["ref_logp"], _ = grpo.batched_logprobs(ref_model, batch, args.temperature, args.micro_batch_size)
+        batch.ref_logp = grpo.batched_logprobs(ref_model, batch, args.temperature, len(batch), args.micro_batch_size)
         times["reference"] = time.time()
         rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
-        batch["advantages"] = grpo.compute_advantages(rewards, opts.generations, "group", 1e-6)
-        old_logp, _ = grpo.update_policy(args, model, optimizer, batch, accelerator)
+        batch.advantages = grpo.compute_advantages(rewards, args)[:, None] * batch.mask
+        stats = grpo.update_policy(args, model, optimizer, batch, accelerator)
         if on_gpu:
             torch.cuda.synchronize()
         times["train"] = time.time()
-        mask = batch["completion_mask"]
-        gap = (batch["engine_logp"] - old_logp).abs() * mask
-        tokens = int(mask.sum().item())
+        tokens = int(batch.mask.sum().item())
         steps.append({"step": step, "rollout_s": times["rollout"] - times["start"],
                       "weight_sync_s": sync_time,
                       "reference_s": times["reference"] - times["rollout"], "train_s": times["train"] - times["reference"],
                       "step_s": times["train"] - times["start"], "tokens": tokens,
                       "tokens_per_s": tokens / (times["rollout"] - times["start"]),
                       "truncated_frac": sum(t for *_, t in samples) / len(samples),
-                      "logprob_gap_mean": (gap.sum() / mask.sum()).item(), "logprob_gap_max": gap.max().item(),
+                      "logprob_gap_mean": float(stats.sums["rollout/logprob_gap_mean"]),
+                      "logprob_gap_max": float(stats.maxes["rollout/logprob_gap_max"]),
                       "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None})
     result["steps"] = steps
     later = steps[1:] or steps  # the first step pays compilation and allocator warm-up
     result["median"] = {k: statistics.median(s[k] for s in later) for k in
                         ("rollout_s", "weight_sync_s", "reference_s", "train_s", "step_s", "tokens_per_s",
                          "logprob_gap_mean")}
-    if engine["llm"] is not None:
-        del engine["llm"]
+    engine.llm = None
     return result
 
 
@@ -146,14 +137,14 @@ def run_tail(engine_name, opts, model_dir):
     from accelerate import Accelerator
 
     on_gpu = torch.cuda.is_available()
-    args = resolve_args(grpo_async.Args(model=model_dir, task="toy", engine=engine_name, max_new_tokens=opts.new_tokens,
-                                        max_prompt_length=opts.prompt_len, num_generations=opts.generations,
-                                        prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
-                                        eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization),
-                        grpo_async.check_algorithm_args)
+    run = RunArgs(engine=engine_name, eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization)
+    args = grpo_async.resolve_args(grpo_async.Args(model=model_dir, task="toy", max_new_tokens=opts.new_tokens,
+                                                   max_prompt_length=opts.prompt_len, num_generations=opts.generations,
+                                                   prompts_per_step=opts.prompts,
+                                                   micro_batch_size=opts.micro_batch_size, run=run), 1)
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
     tokenizer, _ = grpo.load_tokenizer(args.model)
-    model = accelerator.prepare(grpo.load_model(args, tokenizer).eval())
+    model = accelerator.prepare(grpo.load_model(args.model, tokenizer).eval())
     vocab = SHAPES[opts.shape]["vocab_size"]
     stop_ids = list(range(3, 3 + max(1, round(opts.stop_frac * vocab))))  # not the special ids 0-2
     engine = grpo_async.create_engine(args, accelerator, stop_ids)
@@ -196,8 +187,7 @@ def run_tail(engine_name, opts, model_dir):
         later = steps[2:] or steps  # the first steps fill the carry (and pay warm-up)
         result[mode] = {"steps": steps, **{k: statistics.median(s[k] for s in later) for k in steps[0]}}
     result["rollout_ratio"] = result["async"]["rollout_s"] / result["sync"]["rollout_s"]
-    if engine["llm"] is not None:
-        del engine["llm"]
+    engine.llm = None
     return result
 
 

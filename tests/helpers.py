@@ -1,5 +1,7 @@
-"""Running an algorithm script end to end in a subprocess, as a user would."""
+"""Running an algorithm script end to end in a subprocess, as a user would, and calling its loss as update_policy
+does."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,24 +21,39 @@ def two_processes(port):
 
 def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True, script="grpo.py"):
     """Run an algorithm script (grpo.py by default) with `args` into out_dir; returns (completed process, metrics rows
-    of the run named exp_name)."""
+    of its run). Every test names its run (--exp_name, default: the script's name), so the folder is known."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    exp = args[args.index("--exp_name") + 1] if "--exp_name" in args else script[:-3]
+    if "--exp_name" not in args:
+        args = [*args, "--exp_name", exp]
     cmd = [*launcher, os.path.join(ROOT, script), "--output_dir", str(out_dir), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    exp = args[args.index("--exp_name") + 1] if "--exp_name" in args else script[:-3]
-    path = os.path.join(str(out_dir), f"{exp}__1", "metrics.jsonl")
+    path = os.path.join(str(out_dir), exp, "metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     return proc, rows
 
 
-def resolved(module, **overrides):
-    """An algorithm script's Args with these overrides, defaults filled and checked as at the start of a run."""
-    from utils.checks import resolve_args
+def resolved(module, num_processes=1, **overrides):
+    """An algorithm script's Args with these overrides (a RunArgs field goes to args.run), defaults filled and
+    checked as at the start of a run."""
+    from utils.runs import RunArgs
 
-    return resolve_args(module.Args(**overrides), module.check_algorithm_args, 1,
-                        getattr(module, "EMBEDDED_DEFAULTS", None))  # a script's own embedded-model defaults
+    run_fields = {field.name for field in dataclasses.fields(RunArgs)}
+    run = RunArgs(**{k: v for k, v in overrides.items() if k in run_fields})
+    args = module.Args(run=run, **{k: v for k, v in overrides.items() if k not in run_fields})
+    return module.resolve_args(args, num_processes)
+
+
+def loss_of(module, logp, old_logp, advantages, mask, ref_logp=None, **flags):
+    """module.compute_loss as update_policy calls it, on one micro-batch that is the whole mini-batch: advantages
+    (B,) are put on every token of their completion; flags are the loss's Args fields (the script's defaults
+    otherwise). Returns (loss, means, maxes)."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None] * mask
+    counts = (mask.new_tensor(float(len(mask))), mask.sum())
+    return module.compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, module.Args(**flags))
 
 
 def assert_same_loss_and_gradient(loss, expected, wrt, atol=1e-6):

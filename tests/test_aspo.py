@@ -9,7 +9,8 @@ import torch
 
 import aspo
 import grpo
-from tests.helpers import SMALL, assert_same_loss_and_gradient, run_grpo
+import lite_ppo
+from tests.helpers import SMALL, assert_same_loss_and_gradient, loss_of, run_grpo
 from tests.test_grpo_loss import random_batch
 
 
@@ -39,7 +40,7 @@ def reference_aspo_loss(logp, old_logp, adv, mask, eps_low, eps_high, c):
 def test_loss_and_gradient_match_the_paper(seed, eps_low, eps_high, c, spread):
     """Spreads up to 1.5 nats put tokens in every region: flipped, clipped, and dual-clipped on both signs."""
     logp, old, _, adv, mask = random_batch(seed, spread=spread)
-    loss, _, _ = aspo.compute_loss(logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=c)
+    loss, _, _ = loss_of(aspo, logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=c, beta=0.0)
     assert_same_loss_and_gradient(loss, reference_aspo_loss(logp, old, adv, mask, eps_low, eps_high, c), logp, 1e-6)
 
 
@@ -55,7 +56,7 @@ def test_loss_and_gradient_match_the_paper(seed, eps_low, eps_high, c, spread):
 def test_reference_numbers(adv, ratio, loss_value, grad, region):  # hand values, pi_old = 0.5, eps 0.2, c 3
     old = torch.tensor([[math.log(0.5)]])
     logp = torch.tensor([[math.log(0.5 * ratio)]], requires_grad=True)
-    loss, means, _ = aspo.compute_loss(logp, old, torch.tensor([adv]), torch.ones(1, 1))
+    loss, means, _ = loss_of(aspo, logp, old, torch.tensor([adv]), torch.ones(1, 1), beta=0.0)
     (g,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(loss_value, abs=1e-5), region
     assert g.item() == pytest.approx(grad, abs=1e-5), region
@@ -64,12 +65,13 @@ def test_reference_numbers(adv, ratio, loss_value, grad, region):  # hand values
 
 
 def test_on_policy_it_is_grpo_with_token_mean():
-    """r = 1: every weight is 1, so ASPO's gradient is GRPO's (token-mean, the same KL term)."""
+    """r = 1: every weight is 1, so ASPO's gradient is GRPO's clipped surrogate with token-mean and the same k3 KL
+    term, which is lite_ppo.py's loss."""
     _, old, ref, adv, mask = random_batch(0)
     grads = []
-    for module in (aspo, grpo):
+    for module in (aspo, lite_ppo):
         logp = old.clone().requires_grad_(True)
-        loss, _, _ = module.compute_loss(logp, old, adv, mask, ref, beta=0.04, loss_agg="token-mean")
+        loss, _, _ = loss_of(module, logp, old, adv, mask, ref, beta=0.04)
         grads.append(torch.autograd.grad(loss, logp)[0])
     assert torch.allclose(grads[0], grads[1], atol=1e-7)
 
@@ -80,8 +82,8 @@ def test_off_policy_the_positive_tokens_weights_are_flipped():
     old = torch.zeros(2, 2)
     logp = torch.tensor([[math.log(0.8), math.log(1.1)], [math.log(0.9), math.log(1.1)]], requires_grad=True)
     adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 2)
-    g_grpo = torch.autograd.grad(grpo.compute_loss(logp, old, adv, mask, loss_agg="token-mean")[0], logp)[0]
-    g_aspo = torch.autograd.grad(aspo.compute_loss(logp, old, adv, mask)[0], logp)[0]
+    g_grpo = torch.autograd.grad(loss_of(grpo, logp, old, adv, mask, beta=0.0)[0], logp)[0]
+    g_aspo = torch.autograd.grad(loss_of(aspo, logp, old, adv, mask, beta=0.0)[0], logp)[0]
     assert torch.allclose(g_grpo[0] * 4, torch.tensor([-0.8, -1.1]), atol=1e-6)
     assert torch.allclose(g_aspo[0] * 4, torch.tensor([-1 / 0.8, -1 / 1.1]), atol=1e-6)
     assert torch.allclose(g_aspo[1], g_grpo[1], atol=1e-7)
@@ -91,14 +93,14 @@ def test_dual_clip_keeps_the_gradient_ppo_dual_clip_would_cut():
     """A < 0, r = 5: the weight is capped at c = 3 and the token still gets the gradient -c A (not 0, not -A r)."""
     old = torch.zeros(1, 1)
     logp = torch.tensor([[math.log(5.0)]], requires_grad=True)
-    (g,) = torch.autograd.grad(aspo.compute_loss(logp, old, torch.tensor([-2.0]), torch.ones(1, 1))[0], logp)
+    (g,) = torch.autograd.grad(loss_of(aspo, logp, old, torch.tensor([-2.0]), torch.ones(1, 1), beta=0.0)[0], logp)
     assert g.item() == pytest.approx(6.0)
 
 
 def test_bad_dual_clip_is_one_line_before_any_model_loads():
     args = aspo.Args(dual_clip_c=1.0)
     with pytest.raises(ValueError, match=r"--dual_clip_c 1.0: must be > 1"):
-        aspo.check_algorithm_args(args)
+        aspo.check_algorithm_args(args, 1)
 
 
 @pytest.mark.slow
@@ -110,4 +112,4 @@ def test_script_runs_end_to_end_off_policy(tmp_path):
     assert all(r["policy/first_minibatch_ratio_dev_max"] == 0.0 for r in rows)
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and "policy/dual_clip_frac" in rows[0]
     assert rows[0]["losses/kl"] >= 0 and "eval/pass@1_greedy" in rows[1]
-    assert (tmp_path / "aspo__1" / "final" / "model.safetensors").exists()
+    assert (tmp_path / "aspo" / "final" / "model.safetensors").exists()

@@ -10,7 +10,6 @@ import torch
 import grpo_async
 from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import setup
-from utils.hf_engine import hf_generate
 
 
 def new_groups(count, G):
@@ -25,27 +24,28 @@ def test_hf_decode_loop_stops_once_enough_groups_are_complete():
     prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
     rows = [p for p in prompts for _ in range(3)]  # 4 groups of 3
     groups = [i // 3 for i in range(12)]
-    samples = hf_generate(model, tokenizer, rows, 1, 1.0, 1.0, 48, accelerator, [tokenizer.eos_token_id],
-                          groups=groups, groups_needed=1, stats=(stats := {}))
-    whole = [g for g in range(4) if all(samples[i].finished for i in range(3 * g, 3 * g + 3))]
-    assert len(whole) >= 1 and not all(sample.finished for sample in samples)  # stopped before the longest
-    longest_done = max(len(s.token_ids) for s in samples if s.finished)
-    assert stats["decode_calls"] == longest_done  # it stopped at the step that completed the group
-    for sample in samples:
+    decoder = grpo_async.PartialDecoder([tokenizer.eos_token_id], [48] * 12, groups, groups_needed=1)
+    samples = decoder.generate(model, tokenizer, rows, 1, 1.0, 1.0, 48, accelerator)
+    finished = decoder.finished.tolist()
+    whole = [g for g in range(4) if all(finished[i] for i in range(3 * g, 3 * g + 3))]
+    assert len(whole) >= 1 and not all(finished)  # stopped before the longest
+    longest_done = max(len(s.token_ids) for s, done in zip(samples, finished) if done)
+    assert decoder.decode_calls == longest_done  # it stopped at the step that completed the group
+    for sample, done in zip(samples, finished):
         assert len(sample.logprobs) == len(sample.token_ids)
-        if not sample.finished:  # every unfinished row has every step's token and no stop token
-            assert len(sample.token_ids) == stats["decode_calls"] and tokenizer.eos_token_id not in sample.token_ids
+        if not done:  # every unfinished row has every step's token and no stop token
+            assert len(sample.token_ids) == decoder.decode_calls and tokenizer.eos_token_id not in sample.token_ids
     # budgets: each row's own limit; at the limit a row is finished and truncated
-    capped = hf_generate(model, tokenizer, rows[:3], 1, 1.0, 1.0, 48, accelerator, [tokenizer.eos_token_id],
-                         budgets=[2, 48, 5])
+    decoder = grpo_async.PartialDecoder([tokenizer.eos_token_id], [2, 48, 5], [0, 0, 0], groups_needed=1)
+    capped = decoder.generate(model, tokenizer, rows[:3], 1, 1.0, 1.0, 48, accelerator)
     assert len(capped[0].token_ids) <= 2 and len(capped[2].token_ids) <= 5
-    assert all(s.finished for s in capped) and (capped[0].truncated or capped[0].token_ids[-1] == tokenizer.eos_token_id)
+    assert decoder.finished.all() and (capped[0].truncated or capped[0].token_ids[-1] == tokenizer.eos_token_id)
 
 
 def test_generate_partial_continues_from_the_tokens_so_far():
     _, accelerator, tokenizer, model = setup()
     torch.manual_seed(0)
-    engine = {"llm": None, "stop_ids": [tokenizer.eos_token_id]}
+    engine = grpo_async.Engine([tokenizer.eos_token_id])
     prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=")]
     groups = new_groups(2, 2)
     sync_time, calls = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts, 1, 1.0, 1.0, 48,
@@ -72,7 +72,7 @@ def test_a_group_finished_before_is_not_counted_again():
     no rows in the call and must not count as one of them (on either engine: vLLM counts the groups that finish)."""
     _, accelerator, tokenizer, model = setup()
     torch.manual_seed(0)
-    engine = {"llm": None, "stop_ids": [tokenizer.eos_token_id]}
+    engine = grpo_async.Engine([tokenizer.eos_token_id])
     prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=")]
     groups = new_groups(3, 2)
     for completion in groups[1]["completions"]:  # the middle group finished in an earlier step
@@ -98,6 +98,7 @@ def test_max_staleness_0_is_grpo_exactly(tmp_path):
     flags = ["--total_steps", "3", "--eval_every", "0", *SMALL]
     _, sync = run_grpo(flags, tmp_path)
     _, limit = run_grpo([*flags, "--max_staleness", "0", "--tis_cap", "0"], tmp_path, script="grpo_async.py")
+    assert len(sync) == len(limit) == 3
     for key in KEYS:
         assert [r[key] for r in limit] == [r[key] for r in sync], key
     assert all(r["async/groups_carried"] == 0 and r["async/tokens_staleness_0"] == 1.0 for r in limit)
@@ -115,7 +116,7 @@ def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
         assert "async/tokens_staleness_2" not in r
         assert r["async/tokens_staleness_0"] + r["async/tokens_staleness_1"] == pytest.approx(1.0)
         assert r["rollout/decode_calls"] <= 48 and 0 <= r["rollout/tail_frac"] < 1
-    carried = json.load(open(tmp_path / "straight__1" / "checkpoint" / "process_0.json"))
+    carried = json.load(open(tmp_path / "straight" / "checkpoint" / "carry_0.json"))
     assert carried == [] or {"row", "version", "completions"} <= set(carried[0])
     # interrupted after step 2's checkpoint, resumed: steps 3 and 4 as the straight run's (carry, RNG, weights)
     run_grpo(["--total_steps", "2", *flags], tmp_path, script="grpo_async.py")

@@ -1,12 +1,19 @@
-"""grpo.compute_loss against hand values, gradients, and an independent per-sample reference written here."""
+"""grpo.compute_loss against hand values, gradients, and an independent per-sample reference written here; each
+script's normalizer; the engine/trainer importance weights."""
 
+import importlib
 import math
 
 import pytest
 import torch
 
-from grpo import compute_advantages, compute_loss
+import grpo
+from tests.helpers import loss_of
 from utils.rl import engine_is_weights
+
+
+def compute_advantages(rewards, num_generations, eps=1e-6):
+    return grpo.compute_advantages(rewards, grpo.Args(num_generations=num_generations, adv_eps=eps))
 
 
 def reference_grpo_loss(logp, old_logp, ref_logp, adv, mask, eps_low, eps_high, beta):
@@ -36,13 +43,12 @@ def random_batch(seed, B=5, T=6, spread=0.3):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("eps_low, eps_high, beta", [(0.2, 0.2, 0.04), (0.2, 0.28, 0.0), (0.1, 0.3, 0.5)])
-def test_loss_and_gradient_match_per_sample_reference(seed, eps_low, eps_high, beta):
+@pytest.mark.parametrize("eps, beta", [(0.2, 0.04), (0.2, 0.0), (0.1, 0.5)])
+def test_loss_and_gradient_match_per_sample_reference(seed, eps, beta):
     logp, old, ref, adv, mask = random_batch(seed)
-    loss, _, _ = compute_loss(logp, old, adv, mask, ref, clip_eps_low=eps_low, clip_eps_high=eps_high, beta=beta,
-                           kl_estimator="k3", loss_agg="seq-mean-token-mean")
+    loss, _, _ = loss_of(grpo, logp, old, adv, mask, ref, clip_eps=eps, beta=beta)
     (grad,) = torch.autograd.grad(loss, logp)
-    expected = reference_grpo_loss(logp, old, ref, adv, mask, eps_low, eps_high, beta)
+    expected = reference_grpo_loss(logp, old, ref, adv, mask, eps, eps, beta)
     (expected_grad,) = torch.autograd.grad(expected, logp)
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
     assert torch.allclose(grad, expected_grad, atol=1e-7)
@@ -50,12 +56,12 @@ def test_loss_and_gradient_match_per_sample_reference(seed, eps_low, eps_high, b
 
 def test_on_policy_identity_and_gradient_by_hand():
     """ratio = 1: loss = -mean_i A_i = 0 for z-scored groups, yet d loss / d logp_it = -A_i / (|o_i| B)."""
-    adv = compute_advantages(torch.tensor([1.0, 0, 0, 0]), 4, "group", 1e-6)
+    adv = compute_advantages(torch.tensor([1.0, 0, 0, 0]), 4)
     lengths = torch.tensor([2, 4, 1, 3])
     mask = (torch.arange(4)[None] < lengths[:, None]).float()
     old = -torch.rand(4, 4)
     logp = old.clone().requires_grad_(True)
-    loss, metrics, maxes = compute_loss(logp, old, adv, mask)
+    loss, metrics, maxes = loss_of(grpo, logp, old, adv, mask, beta=0.0)
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(0.0, abs=1e-6)
     assert metrics["policy/ratio_mean"].item() == 1.0 and metrics["policy/clip_frac"].item() == 0.0
@@ -63,80 +69,64 @@ def test_on_policy_identity_and_gradient_by_hand():
     assert grad.abs().sum() > 0  # "loss 0" is not "no gradient"
 
 
-@pytest.mark.parametrize("ratio, adv, eps_high, loss_value, grad_flows", [  # PPO's clip, arXiv 1707.06347 eq. 7
-    (1.25, 1.0, 0.2, -1.2, False),   # A > 0 above 1 + eps: clipped, no gradient
-    (1.25, 1.0, 0.28, -1.25, True),  # DAPO's clip-higher lets it through
-    (1.3, 1.0, 0.28, -1.28, False),
-    (0.5, 1.0, 0.2, -0.5, True),     # A > 0 below 1 - eps: the min keeps the unclipped term
-    (0.5, -1.0, 0.2, 0.8, False),    # A < 0 below 1 - eps: clipped, no gradient
-    (5.0, -1.0, 0.2, 5.0, True),     # A < 0 far above: unbounded and the gradient flows (no dual clip)
-    (1.1, -1.0, 0.2, 1.1, True),
+@pytest.mark.parametrize("ratio, adv, loss_value, grad_flows", [  # PPO's clip, arXiv 1707.06347 eq. 7
+    (1.25, 1.0, -1.2, False),   # A > 0 above 1 + eps: clipped, no gradient (dapo.py's clip-higher: test_dapo.py)
+    (0.5, 1.0, -0.5, True),     # A > 0 below 1 - eps: the min keeps the unclipped term
+    (0.5, -1.0, 0.8, False),    # A < 0 below 1 - eps: clipped, no gradient
+    (5.0, -1.0, 5.0, True),     # A < 0 far above: unbounded and the gradient flows (no dual clip)
+    (1.1, -1.0, 1.1, True),
 ])
-def test_off_policy_clipping(ratio, adv, eps_high, loss_value, grad_flows):
+def test_off_policy_clipping(ratio, adv, loss_value, grad_flows):
     old = torch.tensor([[-1.0]])
     logp = (old + math.log(ratio)).requires_grad_(True)
-    loss, metrics, maxes = compute_loss(logp, old, torch.tensor([adv]), torch.ones(1, 1), clip_eps_high=eps_high)
+    loss, metrics, maxes = loss_of(grpo, logp, old, torch.tensor([adv]), torch.ones(1, 1), beta=0.0)
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(loss_value, abs=1e-5)
     assert (grad.abs().item() > 0) == grad_flows
     assert metrics["policy/clip_frac"].item() == (0.0 if grad_flows else 1.0)
 
 
-@pytest.mark.parametrize("mode, per_token_weight", [
-    ("seq-mean-token-mean", lambda n, B, N, L: 1 / (n * B)),
-    ("token-mean", lambda n, B, N, L: 1 / N),
-    ("seq-mean-token-sum", lambda n, B, N, L: 1 / B),
-    ("seq-mean-token-sum-norm", lambda n, B, N, L: 1 / (B * L)),
+@pytest.mark.parametrize("script, per_token_weight", [  # n: the completion's tokens, B completions, N tokens, L_max
+    ("grpo", lambda n, B, N, L: 1 / (n * B)),  # 1/G sum_i 1/|o_i| sum_t
+    ("gspo", lambda n, B, N, L: 1 / (n * B)),
+    ("high_entropy", lambda n, B, N, L: 1 / (n * B)),
+    ("dapo", lambda n, B, N, L: 1 / N),  # token-mean
+    ("cispo", lambda n, B, N, L: 1 / N),
+    ("aspo", lambda n, B, N, L: 1 / N),
+    ("lite_ppo", lambda n, B, N, L: 1 / N),
+    ("reinforce_pp", lambda n, B, N, L: 1 / N),
+    ("ppo", lambda n, B, N, L: 1 / N),
+    ("dr_grpo", lambda n, B, N, L: 1 / (B * L)),  # the constant L_max
 ])
-def test_aggregation_modes_weight_tokens_as_documented(mode, per_token_weight):
+def test_each_script_weights_tokens_as_its_docstring_says(script, per_token_weight):
+    """d loss / d log pi on-policy with A = 1 is minus each token's weight in the normalizer."""
+    module = importlib.import_module(script)
     lengths = torch.tensor([1, 3, 6])
     mask = (torch.arange(6)[None] < lengths[:, None]).float()
     old = torch.zeros(3, 6)
     logp = old.clone().requires_grad_(True)
-    adv = torch.tensor([1.0, 1.0, 1.0])
-    loss, _, _ = compute_loss(logp, old, adv, mask, loss_agg=mode, max_len=8)
+    flags = {"beta": 0.0} if "beta" in module.Args.__dataclass_fields__ else {}
+    loss, _, _ = loss_of(module, logp, old, torch.ones(3), mask, max_new_tokens=8, **flags)
     (grad,) = torch.autograd.grad(loss, logp)
     for i, n in enumerate(lengths.tolist()):
         assert grad[i, 0].item() == pytest.approx(-per_token_weight(n, 3, 10, 8), rel=1e-6)
 
 
-@pytest.mark.parametrize("estimator, reverse_kl", [("k3", False), ("k2", True), ("k3+", True), ("k3_is", True)])
-def test_kl_estimators_in_the_loss(estimator, reverse_kl):
-    """The KL part of the loss gradient, token by token: the reverse-KL estimators give beta * (logp - ref)."""
-    old = torch.tensor([[-1.0, -2.0, -0.5]])
-    ref = torch.tensor([[-1.5, -1.0, -3.0]])
-    logp = old.clone().requires_grad_(True)
-    beta = 0.5
-    loss, metrics, maxes = compute_loss(logp, old, torch.zeros(1), torch.ones(1, 3), ref, beta=beta, kl_estimator=estimator,
-                                 loss_agg="seq-mean-token-sum")
-    (grad,) = torch.autograd.grad(loss, logp)
-    delta = old - ref
-    expected = beta * delta if reverse_kl else beta * (1 - torch.exp(-delta))  # d k3 / d logp = 1 - ref/pi
-    assert torch.allclose(grad, expected, atol=1e-6)
-    assert metrics["losses/kl"].item() == pytest.approx((torch.exp(-delta) - 1 + delta).mean().item(), abs=1e-6) \
-        or estimator == "k2"
-
-
-def test_k3_importance_weighted_is_differentiable_through_the_ratio():
-    """Off-policy (logp != old), rho * k3 still gives the reverse-KL gradient rho * (k3 + 1 - ref/pi)... per token."""
-    old = torch.tensor([[-1.2]])
-    ref = torch.tensor([[-1.5]])
-    logp = torch.tensor([[-1.0]], requires_grad=True)
-    loss, _, _ = compute_loss(logp, old, torch.zeros(1), torch.ones(1, 1), ref, beta=1.0, kl_estimator="k3_is")
-    (grad,) = torch.autograd.grad(loss, logp)
-    rho, x = math.exp(-1.0 + 1.2), -1.5 + 1.0
-    k3 = math.exp(x) - x - 1
-    assert grad.item() == pytest.approx(rho * k3 + rho * (1 - math.exp(x)), abs=1e-6)
-
-
 def test_truncated_importance_weights_scale_the_policy_term():
-    old = torch.zeros(2, 2)
-    logp = old.clone().requires_grad_(True)
-    weights = torch.tensor([[0.5, 2.0], [1.0, 1.0]])
-    adv = torch.tensor([1.0, -1.0])
-    loss, _, _ = compute_loss(logp, old, adv, torch.ones(2, 2), is_weights=weights, loss_agg="token-mean")
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert torch.allclose(grad, -(weights * adv[:, None]) / 4)
+    """update_policy folds the weight w >= 0 into the advantage: min(r A w, clip(r) A w) = w min(r A, clip(r) A)."""
+    for ratio in (0.5, 1.0, 1.3):
+        old = torch.zeros(2, 2)
+        logp = (old + math.log(ratio)).requires_grad_(True)
+        weights = torch.tensor([[0.5, 2.0], [1.0, 0.0]])
+        adv = torch.tensor([1.0, -1.0])[:, None].expand(2, 2)
+        weighted, _, _ = loss_of(grpo, logp, old, adv * weights, torch.ones(2, 2), beta=0.0)
+        per_token = [loss_of(grpo, logp[i:i + 1, t:t + 1], old[i:i + 1, t:t + 1], adv[i:i + 1, t:t + 1],
+                             torch.ones(1, 1), beta=0.0)[0] for i in range(2) for t in range(2)]
+        expected = sum(w * loss for w, loss in zip(weights.flatten(), per_token)) / 2 / 2  # 1/|o_i| = 1/2, 1/B = 1/2
+        (grad,) = torch.autograd.grad(weighted, logp)
+        (expected_grad,) = torch.autograd.grad(expected, logp)
+        assert weighted.item() == pytest.approx(expected.item(), abs=1e-7)
+        assert torch.allclose(grad, expected_grad, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode, weights, bounded", [  # ratios 2, 1/4, 1 and 6/5 (then padding); cap 3/2
@@ -153,10 +143,10 @@ def test_engine_mismatch_weights_each_mode_by_hand(mode, weights, bounded):
     assert torch.allclose(got * mask, torch.tensor(weights), atol=1e-6)
     assert got_bounded.tolist() == torch.tensor(bounded).bool().tolist()
     logp = old.clone().requires_grad_(True)  # on-policy for the trainer: the gradient is the weight times A / N
-    adv = torch.tensor([1.0, -1.0])
-    loss, _, _ = compute_loss(logp, old, adv, mask, is_weights=got, loss_agg="token-mean")
+    adv = torch.tensor([1.0, -1.0])[:, None] * mask
+    loss, _, _ = loss_of(importlib.import_module("dapo"), logp, old, adv * got, mask)  # token-mean
     (grad,) = torch.autograd.grad(loss, logp)
-    assert torch.allclose(grad, -(torch.tensor(weights) * adv[:, None]) / 4, atol=1e-6)  # masked tokens: 0
+    assert torch.allclose(grad, -(torch.tensor(weights) * adv) / 4, atol=1e-6)  # masked tokens: 0
 
 
 def test_a_long_sequence_ratio_does_not_overflow():
@@ -169,7 +159,22 @@ def test_a_long_sequence_ratio_does_not_overflow():
 
 
 def test_group_advantages_from_flat_rewards():
-    adv = compute_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0]), 4, "group", 1e-6)
+    adv = compute_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0]), 4)
     assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.5, 0.5, 0.5, -1.5], abs=1e-5)
-    dr = compute_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0]), 4, "none", 1e-6)
+    dr_grpo = importlib.import_module("dr_grpo")
+    dr = dr_grpo.compute_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0]), dr_grpo.Args(num_generations=4))
     assert dr.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+
+
+def test_the_docstrings_worked_examples():
+    """The numbers grpo.py's and dr_grpo.py's docstrings work out, computed."""
+    assert compute_advantages(torch.tensor([1.1, 0, 0, 1.1]), 4).tolist() == pytest.approx(
+        [0.866, -0.866, -0.866, 0.866], abs=1e-3)
+    assert compute_advantages(torch.tensor([1.1, 0, 0, 0]), 4).tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5],
+                                                                                          abs=1e-5)
+    for text in ("(0.866, -0.866, -0.866, 0.866)", "(1.5, -0.5, -0.5, -0.5)"):
+        assert text in grpo.__doc__
+    dr_grpo = importlib.import_module("dr_grpo")
+    dr = dr_grpo.compute_advantages(torch.tensor([1.1, 0, 0, 1.1]), dr_grpo.Args(num_generations=4))
+    assert dr.tolist() == pytest.approx([0.55, -0.55, -0.55, 0.55], abs=1e-6)
+    assert "(0.55, -0.55, -0.55, 0.55)" in dr_grpo.__doc__

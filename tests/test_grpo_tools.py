@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import grpo_tools
-from tests.helpers import ROOT, SMALL, resolved, run_grpo, two_processes
-from utils.hf_engine import hf_generate
-from utils.rl import make_batch, micro_batches
+from tests.helpers import ROOT, SMALL, loss_of, resolved, run_grpo, two_processes
+from utils.batch import Batch, make_batch, micro_batches
 from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
@@ -116,10 +115,10 @@ def test_hf_decode_loop_stops_at_the_tool_stop_string():
 
     torch.manual_seed(0)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), tokenizer).eval()
+    model = grpo_tools.load_model(TOOLS_MODEL, tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
-    samples = hf_generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96, Accelerator(cpu=True), stop_ids,
-                          stop_strings=[TOOL_STOP])
+    samples = grpo_tools.ToolDecoder(stop_ids, [96] * 64).generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96,
+                                                                   Accelerator(cpu=True))
     called = 0
     for sample in samples:
         text = tokenizer.decode(sample.token_ids)
@@ -142,7 +141,7 @@ def test_tool_output_is_context_not_action():
 
     torch.manual_seed(0)
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(resolved(grpo_tools, model=TOOLS_MODEL), tokenizer)
+    model = grpo_tools.load_model(TOOLS_MODEL, tokenizer)
     prompt = tokenizer("347*86=")["input_ids"]
     model_turn = tokenizer("```python\nprint(347*86)" + TOOL_STOP)["input_ids"]
 
@@ -151,12 +150,11 @@ def test_tool_output_is_context_not_action():
         mask = [1] * len(model_turn) + [0 if masked else 1] * (len(ids) - len(model_turn))
         sample = grpo_tools.Sample(ids, [0.0] * len(ids), False)
         batch = make_batch([prompt], [sample], tokenizer.pad_token_id, "cpu")
-        batch["completion_mask"][0] = torch.tensor(mask, dtype=torch.float32)
+        batch.mask[0] = torch.tensor(mask, dtype=torch.float32)
         model.zero_grad()
-        logp, _ = grpo_tools.token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["prompt_width"],
-                                            1.0)
-        loss, _, _ = grpo_tools.compute_loss(logp, logp.detach() - 0.1, torch.tensor([1.0]),
-                                             batch["completion_mask"], clip_eps_high=0.5)
+        logp, _ = grpo_tools.token_logprobs(model, batch, 1.0)
+        loss, _, _ = loss_of(grpo_tools, logp, logp.detach() - 0.1, torch.tensor([1.0]), batch.mask, clip_eps=0.5,
+                             beta=0.0)
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
@@ -166,8 +164,8 @@ def test_tool_output_is_context_not_action():
                               gradient(output_block("11111", "", 99), masked=False), atol=1e-4)
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
-    batch = {"completion_mask": mask, "input_ids": torch.zeros(2, 8, dtype=torch.long), "prompt_width": 2}
-    widths = [mc["completion_mask"].shape[1] for _, mc in micro_batches(batch, torch.arange(2), 1)]
+    batch = Batch(torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long), 2, mask, torch.zeros(2, 6))
+    widths = [mc.mask.shape[1] for _, mc in micro_batches(batch, 1)]
     assert widths == [3, 5]  # the second row's model tokens end at position 5
 
 
@@ -184,7 +182,7 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
     args = resolved(grpo_tools, model=TOOLS_MODEL, max_new_tokens=96, max_turns=1, engine="hf")
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(args, tokenizer).eval()
+    model = grpo_tools.load_model(args.model, tokenizer).eval()
     engine = grpo_tools.create_engine(args, accelerator, stop_ids)
     rows = toy_mul_problems("test")[:16]
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]

@@ -10,7 +10,7 @@ import torch
 import cispo
 import grpo
 import gspo
-from tests.helpers import SMALL, assert_same_loss_and_gradient, run_grpo
+from tests.helpers import SMALL, assert_same_loss_and_gradient, loss_of, run_grpo
 from tests.test_grpo_loss import random_batch
 
 
@@ -29,7 +29,7 @@ def reference_gspo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
 def test_gspo_token_form_matches_the_sequence_objective(seed, eps_low, eps_high):
     """GSPO-token (stop-gradient form) equals sequence-level GSPO in value and gradient for per-sequence advantages."""
     logp, old, _, adv, mask = random_batch(seed, spread=0.1)
-    loss, _, _ = gspo.compute_loss(logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high)
+    loss, _, _ = loss_of(gspo, logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high)
     assert_same_loss_and_gradient(loss, reference_gspo_loss(logp, old, adv, mask, eps_low, eps_high), logp)
 
 
@@ -37,7 +37,7 @@ def test_gspo_token_form_matches_the_sequence_objective(seed, eps_low, eps_high)
 def test_gspo_reference_numbers(adv, loss_value, grad_flows):  # hand values
     old = torch.zeros(1, 4)
     logp = torch.tensor([[0.002, -0.001, 0.0005, 0.0015]], requires_grad=True)
-    loss, means, _ = gspo.compute_loss(logp, old, torch.tensor([adv]), torch.ones(1, 4))
+    loss, means, _ = loss_of(gspo, logp, old, torch.tensor([adv]), torch.ones(1, 4))
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(loss_value, abs=1e-7)
     assert means["policy/seq_ratio_mean"].item() == pytest.approx(math.exp(0.00075), abs=1e-7)
@@ -48,12 +48,12 @@ def test_gspo_reference_numbers(adv, loss_value, grad_flows):  # hand values
 
 
 def test_gspo_on_policy_identity():
-    adv = grpo.compute_advantages(torch.tensor([1.0, 0, 0, 0]), 4, "group", 1e-6)
+    adv = grpo.compute_advantages(torch.tensor([1.0, 0, 0, 0]), grpo.Args(num_generations=4))
     lengths = torch.tensor([2, 4, 1, 3])
     mask = (torch.arange(4)[None] < lengths[:, None]).float()
     old = -torch.rand(4, 4)
     logp = old.clone().requires_grad_(True)
-    loss, means, _ = gspo.compute_loss(logp, old, adv, mask)
+    loss, means, _ = loss_of(gspo, logp, old, adv, mask)
     (grad,) = torch.autograd.grad(loss, logp)
     assert loss.item() == pytest.approx(0.0, abs=1e-6) and means["policy/seq_ratio_mean"].item() == 1.0
     assert torch.allclose(grad, -(adv / (lengths * 4))[:, None] * mask, atol=1e-7)  # as GRPO's on-policy gradient
@@ -64,8 +64,8 @@ def test_gspo_differs_from_grpo_off_policy():
     sqrt(1.2) = 1.095 is inside the clip range, so both tokens get the gradient s_i * A / 2."""
     old = torch.zeros(1, 2)
     logp = torch.tensor([[math.log(1.5), math.log(0.8)]], requires_grad=True)
-    g_grpo = torch.autograd.grad(grpo.compute_loss(logp, old, torch.ones(1), torch.ones(1, 2))[0], logp)[0]
-    g_gspo = torch.autograd.grad(gspo.compute_loss(logp, old, torch.ones(1), torch.ones(1, 2), clip_eps_low=0.2,
+    g_grpo = torch.autograd.grad(loss_of(grpo, logp, old, torch.ones(1), torch.ones(1, 2), beta=0.0)[0], logp)[0]
+    g_gspo = torch.autograd.grad(loss_of(gspo, logp, old, torch.ones(1), torch.ones(1, 2), clip_eps_low=0.2,
                                                    clip_eps_high=0.2)[0], logp)[0]
     assert g_grpo[0, 0] == 0 and g_grpo[0, 1] != 0
     assert torch.allclose(g_gspo, torch.full((1, 2), -math.sqrt(1.2) / 2), atol=1e-6)
@@ -86,7 +86,7 @@ def reference_cispo_loss(logp, old_logp, adv, mask, eps_low, eps_high):
 @pytest.mark.parametrize("eps_low, eps_high", [(1.0, 4.0), (10.0, 0.2), (0.2, 0.28)])
 def test_cispo_loss_and_gradient_match_the_paper(seed, eps_low, eps_high):
     logp, old, _, adv, mask = random_batch(seed, spread=0.5)
-    loss, _, _ = cispo.compute_loss(logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high)
+    loss, _, _ = loss_of(cispo, logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high)
     assert_same_loss_and_gradient(loss, reference_cispo_loss(logp, old, adv, mask, eps_low, eps_high), logp, 1e-7)
 
 
@@ -95,7 +95,7 @@ def test_cispo_loss_and_gradient_match_the_paper(seed, eps_low, eps_high):
 def test_cispo_weights_relative_convention(ratio, weight):  # paper/verl clip(r, 1 - 10, 1 + 0.2)
     old = torch.tensor([[-1.0]])
     logp = (old + math.log(ratio)).requires_grad_(True)
-    loss, _, _ = cispo.compute_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps_low=10.0,
+    loss, _, _ = loss_of(cispo, logp, old, torch.tensor([1.0]), torch.ones(1, 1), clip_eps_low=10.0,
                                     clip_eps_high=0.2)
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad.item() == pytest.approx(-weight, abs=1e-6)  # never TRL's silent 0.2 cap at r = 1
@@ -104,7 +104,7 @@ def test_cispo_weights_relative_convention(ratio, weight):  # paper/verl clip(r,
 def test_cispo_on_policy_is_reinforce_with_group_advantages():
     logp, old, _, adv, mask = random_batch(0)
     logp = old.clone().requires_grad_(True)
-    loss, means, _ = cispo.compute_loss(logp, old, adv, mask)
+    loss, means, _ = loss_of(cispo, logp, old, adv, mask)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(grad, -adv[:, None] * mask / mask.sum(), atol=1e-7)
     assert means["policy/clip_frac"].item() == 0.0
@@ -116,19 +116,19 @@ def test_cispo_keeps_the_gradient_grpo_drops_and_the_token_mask_recovers_ppo():
     old = torch.zeros(1, 2)
     logp = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)
     mask, adv = torch.ones(1, 2), torch.ones(1)
-    g_grpo = torch.autograd.grad(grpo.compute_loss(logp, old, adv, mask, loss_agg="token-mean")[0], logp)[0]
+    g_grpo = torch.autograd.grad(loss_of(grpo, logp, old, adv, mask, beta=0.0)[0], logp)[0]
     settings = dict(clip_eps_low=0.2, clip_eps_high=0.2)
-    g_cispo = torch.autograd.grad(cispo.compute_loss(logp, old, adv, mask, **settings)[0], logp)[0]
-    g_masked = torch.autograd.grad(cispo.compute_loss(logp, old, adv, mask, token_mask=True, **settings)[0], logp)[0]
+    g_cispo = torch.autograd.grad(loss_of(cispo, logp, old, adv, mask, **settings)[0], logp)[0]
+    g_masked = torch.autograd.grad(loss_of(cispo, logp, old, adv, mask, token_mask=True, **settings)[0], logp)[0]
     assert g_grpo[0, 0] == 0 and g_cispo[0, 0].item() == pytest.approx(-1.2 / 2) and g_masked[0, 0] == 0
     assert g_grpo[0, 1].item() == pytest.approx(-1.1 / 2) == g_cispo[0, 1].item() == g_masked[0, 1].item()
     # the mask is PPO's range (ppo_clip_eps 0.2), not the IS weight's: with the default weight clip (cap 5) r = 1.5
     # keeps its full weight unmasked, and is dropped with the mask
-    loss, means, _ = cispo.compute_loss(logp, old, adv, mask, token_mask=True)
+    loss, means, _ = loss_of(cispo, logp, old, adv, mask, token_mask=True)
     g_default = torch.autograd.grad(loss, logp)[0]
     assert g_default[0, 0] == 0 and g_default[0, 1].item() == pytest.approx(-1.1 / 2)
     assert means["policy/ppo_clip_frac"].item() == pytest.approx(0.5)
-    g_unmasked = torch.autograd.grad(cispo.compute_loss(logp, old, adv, mask)[0], logp)[0]
+    g_unmasked = torch.autograd.grad(loss_of(cispo, logp, old, adv, mask)[0], logp)[0]
     assert g_unmasked[0, 0].item() == pytest.approx(-1.5 / 2)
 
 
@@ -142,4 +142,4 @@ def test_script_runs_end_to_end_off_policy(tmp_path, script, key):
     assert all(r["policy/first_minibatch_ratio_dev_max"] == 0.0 for r in rows)
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and key in rows[0]
     assert "losses/kl" not in rows[0] and "eval/pass@1_greedy" in rows[1]
-    assert (tmp_path / f"{script[:-3]}__1" / "final" / "model.safetensors").exists()
+    assert (tmp_path / script[:-3] / "final" / "model.safetensors").exists()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ppo
-from tests.helpers import assert_same_loss_and_gradient, resolved, run_grpo, two_processes
+from tests.helpers import assert_same_loss_and_gradient, loss_of, resolved, run_grpo, two_processes
 from tests.test_grpo_loss import random_batch
 from tests.test_reinforce_pp import reference_loss  # the token-level surrogate as loops
 from utils.rl import explained_variance, masked_whiten, token_rewards
@@ -58,13 +58,13 @@ def test_value_loss_and_its_clipping():
     to 0.4, whose error is larger, so the max takes the clipped branch and the gradient is 0."""
     old, target, mask = torch.tensor([[0.2, 0.2]]), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
     values = torch.tensor([[0.3, 0.5]], requires_grad=True)
-    loss, means = ppo.value_loss(values, old, target, mask, value_clip=0.2)
+    loss, means = ppo.value_loss(values, old, target, mask, 0.2, mask.sum())
     assert loss.item() == pytest.approx((0.5 * 0.49 + 0.5 * 0.36) / 2)
     (grad,) = torch.autograd.grad(loss, values)
     assert_close(grad, [[-0.7 / 2, 0.0]])
     assert means["critic/value_clip_frac"].item() == 0.5
     # a padded token adds nothing; the normalizer is the global token count when given
-    loss, _ = ppo.value_loss(values, old, target, torch.tensor([[1.0, 0.0]]), value_clip=0.2, num_tokens=4)
+    loss, _ = ppo.value_loss(values, old, target, torch.tensor([[1.0, 0.0]]), 0.2, 4)
     assert loss.item() == pytest.approx(0.5 * 0.49 / 4)
 
 
@@ -81,7 +81,7 @@ def test_advantage_whitening_over_the_batch_tokens():
 def test_policy_loss_and_gradient_match_a_per_token_loop(seed):
     logp, old, _, _, mask = random_batch(seed)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(seed))
-    loss, _, _ = ppo.compute_loss(logp, old, adv, mask)
+    loss, _, _ = loss_of(ppo, logp, old, adv, mask)
     assert_same_loss_and_gradient(loss, reference_loss(logp, old, adv, mask, 0.2), logp)
 
 
@@ -89,10 +89,22 @@ def test_on_policy_identity():
     _, old, _, _, mask = random_batch(0)
     adv = torch.randn(mask.shape)
     logp = old.clone().requires_grad_(True)
-    loss, means, maxes = ppo.compute_loss(logp, old, adv, mask)
+    loss, means, maxes = loss_of(ppo, logp, old, adv, mask)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(grad, -adv * mask / mask.sum(), atol=1e-7)
     assert means["policy/clip_frac"].item() == 0 and maxes["policy/ratio_max"].item() == 1.0
+
+
+def test_the_docstrings_worked_example():
+    """gamma = lam = 1, beta = 0, reward 1 on 3 tokens: V_old = 0 gives A = (1, 1, 1); V_old = (0.5, 0.6, 0.8) gives
+    A = (0.5, 0.4, 0.2), returns (1, 1, 1)."""
+    mask = torch.ones(1, 3)
+    rewards = token_rewards(torch.tensor([1.0]), mask)
+    assert ppo.gae(rewards, torch.zeros(1, 3), mask, 1.0, 1.0)[0].tolist() == [[1.0, 1.0, 1.0]]
+    advantages, returns = ppo.gae(rewards, torch.tensor([[0.5, 0.6, 0.8]]), mask, 1.0, 1.0)
+    assert_close(advantages, [[0.5, 0.4, 0.2]])
+    assert_close(returns, [[1.0, 1.0, 1.0]])
+    assert "A = (0.5, 0.4, 0.2) and returns (1, 1, 1)" in ppo.__doc__
 
 
 def test_explained_variance():
@@ -121,10 +133,10 @@ def test_the_critic_starts_at_zero_with_the_policy_backbone():
     from transformers import AutoModelForCausalLM
 
     args = resolved(ppo)
-    critic = ppo.load_critic(args).eval()
+    critic = ppo.load_critic(args.model).eval()
     policy = AutoModelForCausalLM.from_pretrained(args.model)
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "attention_mask": torch.ones(1, 5, dtype=torch.long),
-             "prompt_width": 2}
+    batch = ppo.Batch(torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long), 2, torch.ones(1, 3),
+                      torch.zeros(1, 3))
     assert ppo.token_values(critic, batch).tolist() == [[0.0, 0.0, 0.0]]  # one value per completion token
     assert torch.equal(critic.model.layers[0].mlp.up_proj.weight, policy.model.layers[0].mlp.up_proj.weight)
 
@@ -167,5 +179,5 @@ def test_two_processes(tmp_path):
                        launcher=launcher, script="ppo.py")
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/problems"] == 16
     assert all(r["policy/first_minibatch_ratio_dev_max"] == 0.0 for r in rows)
-    assert (tmp_path / "ppo__1" / "checkpoint" / "model_1.safetensors").exists()  # the critic is checkpointed
-    assert json.load(open(tmp_path / "ppo__1" / "checkpoint" / "step.json"))["step"] == 2
+    assert (tmp_path / "ppo" / "checkpoint" / "model_1.safetensors").exists()  # the critic is checkpointed
+    assert json.load(open(tmp_path / "ppo" / "checkpoint" / "step.json"))["step"] == 2

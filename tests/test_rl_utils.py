@@ -1,12 +1,17 @@
-"""utils/rl.py against reference numbers computed by hand (NumPy, float64) from each formula: the KL estimators of
-Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv 2506.09477), GRPO's group z-score
-(arXiv 2402.03300 §4.1.2), token-weighted whitening (REINFORCE++ arXiv 2501.03262) and the loss aggregations."""
+"""utils/rl.py and utils/batch.py against reference numbers computed by hand (NumPy, float64) from each formula: the
+KL estimators of Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv 2506.09477; the
+estimators of grpo_kl.py: test_grpo_kl.py), GRPO's group z-score (arXiv 2402.03300 §4.1.2), token-weighted
+whitening (REINFORCE++ arXiv 2501.03262), pass@k, the micro-batches; and the loss aggregations, which are now each
+script's compute_loss: their values by hand and their invariance to how a mini-batch is cut into micro-batches."""
+
+import importlib
 
 import pytest
 import torch
 
-from utils.rl import (aggregate_loss, group_advantages, kl_k1, kl_k2, kl_k3, kl_k3_importance_weighted,
-                      masked_whiten, micro_batches, pass_at_k)
+from tests.helpers import loss_of, resolved
+from utils.batch import Batch, micro_batches
+from utils.rl import group_centered, group_zscore, kl_k1, kl_k2, kl_k3, masked_whiten, pass_at_k
 
 T = torch.tensor
 
@@ -20,7 +25,6 @@ T = torch.tensor
 def test_kl_values(logp, ref, expected):  # k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d
     got = [f(T(logp), T(ref)).item() for f in (kl_k1, kl_k2, kl_k3)]
     assert got == pytest.approx(expected, abs=1e-6)
-    assert kl_k3(T(logp), T(ref), straight_through=True).item() == pytest.approx(expected[2], abs=1e-6)
 
 
 # pi = softmax(THETA), ref = softmax(REF_LOGITS); exact expectations over the 5 tokens, no sampling noise.
@@ -40,11 +44,9 @@ def expected_gradient(per_sample_loss):
     return theta.grad.tolist()
 
 
-@pytest.mark.parametrize("name, per_sample_loss, expected", [
+@pytest.mark.parametrize("name, per_sample_loss, expected", [  # rho * k3 and k3+: grpo_kl.kl_term (test_grpo_kl.py)
     ("k2 as a loss", kl_k2, GRAD_REVERSE_KL),
     ("k1 in the reward", lambda lp, ref: kl_k1(lp, ref).detach() * lp, GRAD_REVERSE_KL),
-    ("rho * k3, rho differentiable", lambda lp, ref: kl_k3_importance_weighted(lp, ref, lp.detach()), GRAD_REVERSE_KL),
-    ("k3 value, k2 gradient", lambda lp, ref: kl_k3(lp, ref, straight_through=True), GRAD_REVERSE_KL),
     ("k3 as a loss (GRPO)", kl_k3, GRAD_FORWARD_KL),
     ("k1 as a loss", kl_k1, [0.0] * 5),
     ("k3 in the reward", lambda lp, ref: kl_k3(lp, ref).detach() * lp, GRAD_K3_IN_REWARD),
@@ -65,18 +67,28 @@ def test_kl_placement_gradients(name, per_sample_loss, expected):
 ])
 def test_group_advantages(rewards, group_eps6, group_eps4, mean_only):
     r = T([rewards], dtype=torch.float64)
-    assert group_advantages(r, "group", 1e-6)[0].tolist() == pytest.approx(group_eps6, abs=1e-5)
-    assert group_advantages(r, "group", 1e-4)[0].tolist() == pytest.approx(group_eps4, abs=1e-5)
-    assert group_advantages(r, "none")[0].tolist() == pytest.approx(mean_only, abs=1e-9)
-    assert not torch.isnan(group_advantages(r, "group", 0.0)).any() or r.std() == 0
+    assert group_zscore(r, 1e-6)[0].tolist() == pytest.approx(group_eps6, abs=1e-5)
+    assert group_zscore(r, 1e-4)[0].tolist() == pytest.approx(group_eps4, abs=1e-5)
+    assert group_zscore(r)[0].tolist() == pytest.approx(group_eps6, abs=1e-5)  # the default eps is 1e-6
+    assert group_centered(r)[0].tolist() == pytest.approx(mean_only, abs=1e-9)
+    assert not torch.isnan(group_zscore(r, 0.0)).any() or r.std() == 0
 
 
-def test_batch_std_scaling():
+def test_group_advantages_of_several_groups_are_each_groups():
     r = T([[1.0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
-    centered = r - r.mean(1, keepdim=True)
-    assert torch.allclose(group_advantages(r, "batch", 0.0), centered / r.std())
-    with pytest.raises(ValueError, match="unknown reward scaling"):
-        group_advantages(r, "sequence")
+    assert group_centered(r).tolist() == [[0.75, -0.25, -0.25, -0.25], [0.25, 0.25, 0.25, -0.75]]
+    assert group_zscore(r).tolist() == [pytest.approx([1.499997, -0.499999, -0.499999, -0.499999], abs=1e-5),
+                                        pytest.approx([0.499999, 0.499999, 0.499999, -1.499997], abs=1e-5)]
+
+
+@pytest.mark.parametrize("value, size", [(0.1, 8), (1.1, 12), (0.1, 3), (1 / 3, 7)])
+@pytest.mark.parametrize("normalize", [group_zscore, group_centered])  # the batch std (lite_ppo.py): test_lite_ppo.py
+def test_all_equal_group_gets_exactly_zero_advantage(value, size, normalize):
+    """float32: the mean of 8 x 0.1 is 1 ulp off, and / (std 0 + 1e-6) made it -0.00745 (12 x 1.1: 0.106)."""
+    rewards = torch.tensor([[value] * size, [0.0] + [1.0] * (size - 1)], dtype=torch.float32)
+    adv = normalize(rewards)
+    assert adv[0].tolist() == [0.0] * size
+    assert adv[1].abs().sum() > 0
 
 
 def test_masked_whiten_token_weighted():  # REINFORCE++-baseline, two groups with lengths 2..8 and 3
@@ -92,44 +104,6 @@ def test_masked_whiten_token_weighted():  # REINFORCE++-baseline, two groups wit
     assert (scaled * mask).sum() / mask.sum() == pytest.approx((values * mask).sum().item() / 32, abs=1e-9)
 
 
-LOSS = T([[1.0, 2, 3, 0, 0], [4, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
-MASK = T([[1.0, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
-
-
-@pytest.mark.parametrize("mode, expected", [  # by hand from the three rows below
-    ("token-mean", 15 / 9), ("seq-mean-token-mean", 7 / 3), ("seq-mean-token-sum", 5.0),
-    ("seq-mean-token-sum-norm", 1.0),
-])
-def test_aggregation_values(mode, expected):
-    assert aggregate_loss(LOSS + 99 * (1 - MASK), MASK, mode, 3, MASK.sum(), max_len=5).item() == pytest.approx(expected)
-
-
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-def test_aggregation_micro_batch_invariance(mode):
-    """Summing micro-batch losses divided by the global counts gives the full-batch gradient exactly."""
-    torch.manual_seed(0)
-    x = torch.randn(6, 7, requires_grad=True)
-    mask = (torch.rand(6, 7) > 0.3).float()
-    mask[:, 0] = 1
-    full = torch.autograd.grad(aggregate_loss(x ** 2, mask, mode, 6, mask.sum(), 7), x)[0]
-    split = sum(aggregate_loss(x[i:i + 2] ** 2, mask[i:i + 2], mode, 6, mask.sum(), 7) for i in range(0, 6, 2))
-    assert torch.allclose(torch.autograd.grad(split, x)[0], full, atol=1e-7)
-    # the classic bug: averaging per-micro-batch token means is not the same thing
-    if mode == "token-mean":
-        wrong = sum(aggregate_loss(x[i:i + 2] ** 2, mask[i:i + 2], mode, 2, mask[i:i + 2].sum()) for i in range(0, 6, 2)) / 3
-        assert not torch.allclose(torch.autograd.grad(wrong, x)[0], full, atol=1e-4)
-
-
-@pytest.mark.parametrize("value, size", [(0.1, 8), (1.1, 12), (0.1, 3), (1 / 3, 7)])
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_all_equal_group_gets_exactly_zero_advantage(value, size, scale):
-    """float32: the mean of 8 x 0.1 is 1 ulp off, and / (std 0 + 1e-6) made it -0.00745 (12 x 1.1: 0.106)."""
-    rewards = torch.tensor([[value] * size, [0.0] + [1.0] * (size - 1)], dtype=torch.float32)
-    adv = group_advantages(rewards, scale, 1e-6)
-    assert adv[0].tolist() == [0.0] * size
-    assert adv[1].abs().sum() > 0
-
-
 def test_masked_whiten_single_token_is_finite():
     values, mask = T([[3.0, 7.0, 1.0]]), T([[0.0, 1.0, 0.0]])
     for unbiased in (True, False):
@@ -137,29 +111,94 @@ def test_masked_whiten_single_token_is_finite():
         assert torch.isfinite(out).all() and out[0, 1].item() == 0.0
 
 
-def test_sum_norm_aggregation_without_max_len_says_so():
-    with pytest.raises(ValueError, match="needs max_len"):
-        aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", 3, MASK.sum())
+# ---- The loss aggregations: each script's compute_loss (utils/rl.py's aggregate_loss is gone) ----------------------
+LOSS = T([[1.0, 2, 3, 0, 0], [4, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+MASK = T([[1.0, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("script, flags, expected", [  # by hand from the three rows above
+    ("dapo", {"loss_agg": "token-mean"}, 15 / 9),  # 1 / sum_i |o_i|
+    ("grpo", {"beta": 0.0}, 7 / 3),  # seq-mean-token-mean: 1/B sum_i 1/|o_i|
+    ("dapo", {"loss_agg": "group-token-mean"}, 5.0),  # seq-mean-token-sum (the group weights ride in the advantages)
+    ("dr_grpo", {"beta": 0.0, "max_new_tokens": 5}, 1.0),  # seq-mean-token-sum-norm: 1/B sum_i sum_t / L_max
+])
+def test_aggregation_values(script, flags, expected):
+    """On-policy (ratio 1) with advantage -LOSS on each token, -min(r A, clip(r) A) is LOSS token by token; padding
+    holds 99s that must not count."""
+    module = importlib.import_module(script)
+    logp = torch.zeros(3, 5)
+    loss, _, _ = loss_of(module, logp, logp, -(LOSS + 99 * (1 - MASK)), MASK, **flags)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_dr_grpos_constant_is_always_set_at_run_start():
+    """The L_max normalizer is --max_new_tokens, which resolve_args always fills in (the embedded model: 48)."""
+    dr_grpo = importlib.import_module("dr_grpo")
+    assert resolved(dr_grpo).max_new_tokens == 48
+    assert resolved(dr_grpo, max_new_tokens=16).max_new_tokens == 16
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("grpo", {"beta": 0.04}),  # 1/|o_i| per completion, then 1/B
+    ("dapo", {"loss_agg": "token-mean"}),  # 1 / the mini-batch's tokens
+    ("dr_grpo", {"beta": 0.0, "max_new_tokens": 7}),  # 1 / (B L_max)
+])
+def test_aggregation_micro_batch_invariance(script, flags):
+    """Summing micro-batch losses divided by the global counts gives the full-batch loss and gradient exactly."""
+    module = importlib.import_module(script)
+    args = module.Args(**flags)
+    torch.manual_seed(0)
+    old = -torch.rand(6, 7) * 2
+    logp = (old + 0.3 * torch.randn(6, 7)).requires_grad_(True)  # off-policy: some ratios are clipped
+    ref = old + 0.2 * torch.randn(6, 7)
+    adv = torch.randn(6)[:, None].expand(6, 7)
+    mask = (torch.rand(6, 7) > 0.3).float()
+    mask[:, 0] = 1
+    counts = (torch.tensor(6.0), mask.sum())
+
+    def loss(rows, counts):
+        return module.compute_loss(logp[rows], old[rows], ref[rows], adv[rows] * mask[rows], mask[rows], counts,
+                                   args)[0]
+
+    full = loss(slice(0, 6), counts)
+    (full_grad,) = torch.autograd.grad(full, logp)
+    split = sum(loss(slice(i, i + 2), counts) for i in range(0, 6, 2))
+    assert split.item() == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(torch.autograd.grad(split, logp)[0], full_grad, atol=1e-7)
+    assert full_grad.abs().max() > 0
+    # the classic bug: averaging per-micro-batch token means is not the same thing
+    if script == "dapo":
+        wrong = sum(loss(slice(i, i + 2), (torch.tensor(2.0), mask[i:i + 2].sum())) for i in range(0, 6, 2)) / 3
+        assert not torch.allclose(torch.autograd.grad(wrong, logp)[0], full_grad, atol=1e-4)
+
+
+# ---- Micro-batches (utils/batch.py) ---------------------------------------------------------------------------------
 
 
 def test_micro_batches_group_similar_lengths_and_cut_the_padding():
     lengths = [5, 1, 9, 3, 7, 2, 0, 4]  # row 6: a completion masked out of the loss (DAPO's overlong filtering)
     mask = torch.tensor([[1.0] * n + [0.0] * (9 - n) for n in lengths])
-    batch = {"input_ids": torch.arange(8 * 11).view(8, 11), "attention_mask": torch.ones(8, 11, dtype=torch.long),
-             "completion_mask": mask, "engine_logp": torch.randn(8, 9), "advantages": torch.arange(8.0),
-             "prompt_width": 2}
-    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
-    chunks = list(micro_batches(batch, rows, 3))
+    batch = Batch(input_ids=torch.arange(8 * 11).view(8, 11), attention_mask=torch.ones(8, 11, dtype=torch.long),
+                  prompt_width=2, mask=mask, engine_logp=torch.randn(8, 9),
+                  advantages=torch.arange(8.0)[:, None] * mask, old_logp=torch.randn(8, 9))
+    chunks = list(micro_batches(batch, 3))
     assert [c.tolist() for c, _ in chunks] == [[6, 1, 5], [3, 7, 0], [4, 2]]  # sorted by length, stable
     for chunk, mc in chunks:
         width = max(1, max(lengths[i] for i in chunk))
-        assert mc["completion_mask"].shape == mc["engine_logp"].shape == (len(chunk), width)
-        assert mc["input_ids"].shape == mc["attention_mask"].shape == (len(chunk), 2 + width)
-        assert torch.equal(mc["input_ids"], batch["input_ids"][chunk, :2 + width])
-        assert torch.equal(mc["engine_logp"], batch["engine_logp"][chunk, :width])
-        assert torch.equal(mc["advantages"], batch["advantages"][chunk])  # per-sequence tensors are not cut
-        assert mc["completion_mask"].sum() == mask[chunk].sum()  # no loss token is cut
-    assert [c.tolist() for c, _ in micro_batches(batch, torch.tensor([7, 2]), 3)] == [[7, 2]]
+        assert mc.mask.shape == mc.engine_logp.shape == mc.advantages.shape == mc.old_logp.shape == (len(chunk), width)
+        assert mc.input_ids.shape == mc.attention_mask.shape == (len(chunk), 2 + width)
+        assert mc.prompt_width == 2 and mc.ref_logp is None  # an absent tensor stays absent
+        assert torch.equal(mc.input_ids, batch.input_ids[chunk, :2 + width])
+        assert torch.equal(mc.engine_logp, batch.engine_logp[chunk, :width])
+        assert torch.equal(mc.old_logp, batch.old_logp[chunk, :width])
+        assert torch.equal(mc.advantages, batch.advantages[chunk, :width])
+        assert mc.mask.sum() == mask[chunk].sum()  # no loss token is cut
+        assert mc.advantages.sum() == batch.advantages[chunk].sum()
+    # a mini-batch's rows: the micro-batches' rows index the mini-batch
+    minibatch = batch.select(torch.tensor([7, 2]))
+    assert len(minibatch) == 2 and minibatch.mask.shape == (2, 9)
+    (rows, mc), = micro_batches(minibatch, 3)
+    assert rows.tolist() == [0, 1] and mc.mask.sum(-1).tolist() == [4.0, 9.0]  # rows 7 and 2, shortest first
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

@@ -1,7 +1,7 @@
 """The algorithm scripts are copies of grpo.py (cleanrl style): every block under a `# ---- Name ----` header that does
 not depend on the algorithm must be the same text in every script, so a fix to a shared block is made in all of them
 or in none; so must every Args field outside the algorithm's own group (its default and its doc; the flags of the run's
-plumbing are one dataclass, utils/runs.py RunArgs, that every Args inherits). What may differ is listed here, with
+plumbing are one dataclass, utils/runs.py RunArgs, every Args's last field). What may differ is listed here, with
 the scripts where it may. The scripts are the repository root's .py files with block headers."""
 
 import dataclasses
@@ -19,26 +19,36 @@ ARGS_GROUP = re.compile(r"^    # (.+)$", re.MULTILINE)  # `    # rollout`: a gro
 ARGS_FIELD = re.compile(r"^    (\w+): .*\n(?:    \"\"\"(?:[^\"]|\"(?!\"\"))*\"\"\"\n)?", re.MULTILINE)  # a field and its doc
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
-    "Policy update": ("ppo.py",),  # the critic's value-loss step beside the policy's, on the same mini-batches
+    "Run setup": ("grpo_tools.py",),  # the tool's output lengthens the context; the prompt has the tool instruction
+    "Token log-probs": ("high_entropy.py",),  # pi_old's entropies with its log-probs, before the update
     "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop": (
         "grpo_async.py",  # + generate_partial: generation that stops once enough groups are complete
-        "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the rollout wakes the engine once
+        "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the context holds tool output
     "Evaluation": ("grpo_tools.py",),  # test completions may call the tool too
-    "Training loop": ("reinforce_pp.py",  # per-token advantages: the lines that compute them
-                      "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
-                      "grpo_tools.py",  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
+    "Policy update": ("ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
+                      "high_entropy.py"),  # the mini-batch's entropy threshold masks the policy gradient
+    "Training loop": ("reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
+                      "ppo.py",  # the critic: its values, per-token rewards, GAE
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
-                      "ppo.py"),  # the critic: its values, per-token rewards, GAE
+                      "gdpo.py",  # the advantage takes the reward's parts, not their sum
+                      "grpo_kl.py",  # k1 in the reward: pi_old before the update, the KL paid from the rewards
+                      "high_entropy.py",  # pi_old's entropies before every update
+                      "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
+                      "grpo_tools.py"),  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
+}
+FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may differ in a block declared different
+    ("grpo_tools.py", "create_engine"),  # the engine's context holds tool output too
+    ("grpo_tools.py", "resolve_args"),  # the embedded model's default leaves room for a tool call
+    ("grpo_tools.py", "start_run"),  # the tool instruction and the tool output's positions
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
-    "exp_name": "*",         # e.g. `# GRPO`, always may): the script's name
-    "model": ("grpo_tools.py",),  # the embedded model warmed up to call the tool
+    "model": ("grpo_tools.py",),  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
     "task": ("grpo_tools.py",),  # toy_mul: products it cannot compute in its head
     "max_new_tokens": ("grpo_tools.py",),  # the model's tokens over all turns; room for a tool call on the toy
-    "num_generations": ("ppo.py",),  # no groups: one completion per prompt
-    "prompts_per_step": ("ppo.py",),  # so more distinct prompts per step
+    "prompts_per_step": ("ppo.py",),  # no groups: more distinct prompts per step
     "num_epochs": ("ppo.py",),  # each paper's off-policy regime: mu = num_epochs * num_minibatches
     "num_minibatches": "*",
+    "tis_cap": ("grpo_async.py",),  # on by default: it is the staleness correction
 }
 
 
@@ -93,7 +103,7 @@ def test_shared_blocks_are_identical_in_every_script():
 def test_functions_of_a_block_that_may_differ_are_identical_where_they_share_a_name():
     """A block declared different may add or replace functions; a function of the same name is still one text
     (grpo_tools.py's engine block samples turns with its own sample(), and wakes the engine with grpo.py's code)."""
-    function = re.compile(r"^def (\w+)\(.*?(?=^def |\Z)", re.MULTILINE | re.DOTALL)
+    function = re.compile(r"^def (\w+)\(.*?(?=^(?:@[^\n]*\n)*(?:def|class) |\Z)", re.MULTILINE | re.DOTALL)
     for name, scripts in ALGORITHM_SPECIFIC.items():
         if scripts == "*":
             continue
@@ -103,7 +113,7 @@ def test_functions_of_a_block_that_may_differ_are_identical_where_they_share_a_n
         for script in scripts:
             for func, text in texts[script].items():
                 if func in texts["grpo.py"] and func not in ("main", "evaluate", "update_policy") and (
-                        script, func) != ("grpo_tools.py", "create_engine"):  # its context holds tool output too
+                        script, func) not in FUNCTIONS_THAT_DIFFER:
                     assert text == texts["grpo.py"][func], f"{script}: {func}() differs from grpo.py's"
                     compared += 1
         if name.startswith("Rollout engine"):
@@ -124,16 +134,17 @@ def test_shared_args_fields_are_identical_in_every_script():
     assert not found, "; ".join(f"Args field '{key}' differs in {', '.join(odd)}" for key, odd in found)
 
 
-def test_no_script_redefines_a_shared_run_flag():
-    """RunArgs (utils/runs.py) holds the flags every script shares; a script's Args redefining one would give the
-    same flag another default in one script only."""
+def test_every_script_has_the_run_flags_last_and_redefines_none():
+    """RunArgs (utils/runs.py) holds the run's plumbing, the same in every script: each Args has it as its last field,
+    `run`, and no field of its own with one of its names (the same flag would have two meanings)."""
     from utils.runs import RunArgs
 
     shared = {field.name for field in dataclasses.fields(RunArgs)}
     for script in SCRIPTS:
         module = importlib.import_module(script[:-3])
-        assert issubclass(module.Args, RunArgs), script
-        redefined = shared & set(module.Args.__annotations__)  # the fields the script's own class body declares
+        fields = dataclasses.fields(module.Args)
+        assert fields[-1].name == "run" and fields[-1].default_factory is RunArgs, script
+        redefined = shared & {field.name for field in fields}
         assert not redefined, f"{script} redefines {sorted(redefined)}: change them in utils/runs.py RunArgs"
 
 
@@ -158,5 +169,7 @@ def test_help_documents_every_argument(script, capsys):
         tyro.cli(module.Args, args=["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "usage:" in out
-    for field in dataclasses.fields(module.Args):
+    from utils.runs import RunArgs
+
+    for field in [*dataclasses.fields(module.Args)[:-1], *dataclasses.fields(RunArgs)]:  # run's flags are flat
         assert "--" + field.name.replace("_", "-") in out or "--" + field.name in out, (script, field.name)

@@ -29,6 +29,7 @@ import json, shutil, sys, torch
 import grpo
 from accelerate import Accelerator
 from tests.helpers import resolved
+from utils.batch import make_batch
 
 torch.set_num_threads(1)
 model_dir = sys.argv[1]  # the embedded model, with sampling defaults that must not leak into rollouts
@@ -39,16 +40,16 @@ json.dump(config, open(model_dir + "/generation_config.json", "w"))
 args = resolved(grpo, engine="vllm", model=model_dir, max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-model = grpo.load_model(args, tokenizer).eval()
+model = grpo.load_model(args.model, tokenizer).eval()
 engine = grpo.create_engine(args, accelerator, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 
 def gap(policy_version):
     samples, _ = grpo.generate(engine, model, tokenizer, prompts, 4, 1.0, 1.0, 48, accelerator, policy_version)
-    batch = grpo.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
-    trainer, _ = grpo.batched_logprobs(model, batch, 1.0, 8)
-    mask = batch["completion_mask"].bool()
-    return (batch["engine_logp"] - trainer).abs()[mask].max().item()
+    batch = make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
+    trainer = grpo.batched_logprobs(model, batch, 1.0, len(batch), 8)
+    mask = batch.mask.bool()
+    return (batch.engine_logp - trainer).abs()[mask].max().item()
 
 first = gap(1)  # the first call always pushes
 with torch.no_grad():
@@ -81,12 +82,13 @@ import json, sys, torch
 import grpo_async
 from accelerate import Accelerator
 from tests.helpers import resolved
+from utils.batch import make_batch
 
 torch.set_num_threads(1)
 args = resolved(grpo_async, engine="vllm", max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo_async.load_tokenizer(args.model)
-model = grpo_async.load_model(args, tokenizer).eval()
+model = grpo_async.load_model(args.model, tokenizer).eval()
 engine = grpo_async.create_engine(args, accelerator, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 groups = [{"row": i, "version": 0, "completions": [{"token_ids": [], "logprobs": [], "versions": [], "finished": False,
@@ -99,10 +101,10 @@ _, more = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts,
                                      accelerator, 0)
 completions = [c for g in groups for c in g["completions"]]
 samples = [grpo_async.Sample(c["token_ids"], c["logprobs"], c["truncated"]) for c in completions]
-batch = grpo_async.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
-trainer, _ = grpo_async.batched_logprobs(model, batch, 1.0, 8)
-mask = batch["completion_mask"].bool()
-gap = (batch["engine_logp"] - trainer).abs()[mask].max().item()
+batch = make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
+trainer = grpo_async.batched_logprobs(model, batch, 1.0, len(batch), 8)
+mask = batch.mask.bool()
+gap = (batch.engine_logp - trainer).abs()[mask].max().item()
 with torch.no_grad():  # an update: the next call, under a new policy version, must push the weights first
     for p in model.parameters():
         p.add_(0.05 * torch.randn_like(p))
@@ -111,14 +113,14 @@ fresh = [{"row": 0, "version": 1, "completions": [{"token_ids": [], "logprobs": 
 sync_time, _ = grpo_async.generate_partial(engine, model, tokenizer, fresh, prompts[:1], 1, 1.0, 1.0, 48,
                                            accelerator, 1)
 new = [grpo_async.Sample(c["token_ids"], c["logprobs"], c["truncated"]) for c in fresh[0]["completions"]]
-batch = grpo_async.make_batch([prompts[0]] * 4, new, tokenizer.pad_token_id, "cpu")
-trainer, _ = grpo_async.batched_logprobs(model, batch, 1.0, 8)
-mask = batch["completion_mask"].bool()
+batch = make_batch([prompts[0]] * 4, new, tokenizer.pad_token_id, "cpu")
+trainer = grpo_async.batched_logprobs(model, batch, 1.0, len(batch), 8)
+mask = batch.mask.bool()
 print(json.dumps({"steps": steps, "whole": whole, "unfinished": unfinished, "partial_lengths": partial_lengths,
                   "all_finished": all(c["finished"] for c in completions),
                   "versions_match": all(len(c["versions"]) == len(c["token_ids"]) == len(c["logprobs"])
                                         for c in completions),
-                  "gap": gap, "pushed": sync_time > 0, "gap_after_push": (batch["engine_logp"] - trainer).abs()[mask]
+                  "gap": gap, "pushed": sync_time > 0, "gap_after_push": (batch.engine_logp - trainer).abs()[mask]
                   .max().item(), "new_versions": [c["versions"][0] for c in fresh[0]["completions"]]}))
 """
 
@@ -154,6 +156,7 @@ import json, os, torch
 import grpo_tools
 from accelerate import Accelerator
 from tests.helpers import resolved
+from utils.batch import make_batch
 from utils.tasks import toy_mul_problems
 from utils.tools import PythonSandbox
 
@@ -162,7 +165,7 @@ torch.manual_seed(0)
 args = resolved(grpo_tools, engine="vllm", model=os.path.join(grpo_tools.TOY_MODEL_DIR, "tools"), max_new_tokens=96)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo_tools.load_tokenizer(args.model)
-model = grpo_tools.load_model(args, tokenizer).eval()
+model = grpo_tools.load_model(args.model, tokenizer).eval()
 engine = grpo_tools.create_engine(args, accelerator, stop_ids)
 pushes = []
 push = grpo_tools.push_weights
@@ -171,16 +174,16 @@ prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")
 with PythonSandbox(num_workers=1) as sandbox:
     samples, masks, completions, _, _ = grpo_tools.rollout(args, engine, model, tokenizer, sandbox, prompts, 4, 1.0,
                                                            1.0, accelerator, policy_version=0)
-batch = grpo_tools.make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
+batch = make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
 for row, mask in enumerate(masks):
-    batch["completion_mask"][row, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
-trainer, _ = grpo_tools.batched_logprobs(model, batch, 1.0, 8)
-mask = batch["completion_mask"].bool()
+    batch.mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
+trainer = grpo_tools.batched_logprobs(model, batch, 1.0, len(batch), 8)
+mask = batch.mask.bool()
 called = [i for i, c in enumerate(completions) if c["calls"]]
 answered = [i for i in called if masks[i][-1] == 1]  # a model turn after the tool's output
 print(json.dumps({"calls": len(called), "answered_after_call": len(answered), "pushes": len(pushes),
-                  "gap": (batch["engine_logp"] - trainer).abs()[mask].max().item(),
-                  "gap_after_call": max([(batch["engine_logp"][i] - trainer[i]).abs()[mask[i]].max().item()
+                  "gap": (batch.engine_logp - trainer).abs()[mask].max().item(),
+                  "gap_after_call": max([(batch.engine_logp[i] - trainer[i]).abs()[mask[i]].max().item()
                                          for i in answered] or [0.0]),
                   "tool_tokens": sum(len(m) - sum(m) for m in masks)}))
 """
