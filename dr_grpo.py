@@ -37,10 +37,12 @@ from utils.checks import (check_batch_layout, check_fraction, check_lengths, che
                           check_run_args, largest_divisor)
 from utils.hf_engine import HFDecoder, Sample
 from utils.models import load_tokenizer, resolve_model
+from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_centered, kl_k3, pass_at_k
-from utils.runs import (RunArgs, StepStats, close_metrics, load_checkpoint, log_step, open_metrics, quiet_libraries,
-                        resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics, write_eval_only)
+from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
+                        quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
+                        write_eval_only)
 from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
 
 
@@ -183,15 +185,11 @@ def resolve_args(args, num_processes):
 def start_run(args):
     """The accelerator, the checked arguments, the run's folder and the checkpoint to resume (None: a new run), the
     tokenizer and its stop tokens, the train and test rows; bad input is a one-line error before any model loads."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     torch.set_num_threads(args.run.threads)
     quiet_libraries()
-    on_gpu = torch.cuda.is_available()  # without CUDA: CPU processes, gloo when launched as several
-    # `accelerate launch` passes its config's mixed precision in this variable; a plain `python` run on a GPU gets bf16
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
-                              if on_gpu else "no")
+    accelerator = make_accelerator()  # bf16 on a GPU; DDP or FSDP2 (configs/) over GPUs or CPU processes
     script = os.path.splitext(os.path.basename(__file__))[0]
     run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
     try:
@@ -231,10 +229,8 @@ def load_models(args, tokenizer, accelerator, with_reference):
     model, optimizer = accelerator.prepare(model, optimizer)
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
     ref_model = None
-    if with_reference and not args.run.eval_only:
-        ref_model = load_model(args.model, tokenizer).eval().requires_grad_(False)
-        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
-        accelerator._models.remove(ref_model)  # frozen: reloaded from --model on resume, never checkpointed
+    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed
+        ref_model = prepare_reference(accelerator, load_model(args.model, tokenizer))
     return model, optimizer, ref_model
 
 
@@ -292,7 +288,7 @@ def create_engine(args, accelerator, stop_ids):
         return Engine(stop_ids)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29511"}.items():
+                       "MASTER_PORT": str(free_port())}.items():
         os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
     from vllm import LLM
 
@@ -310,9 +306,7 @@ def create_engine(args, accelerator, stop_ids):
 
 def push_weights(engine, model, accelerator):
     """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
-    state_dict = accelerator.unwrap_model(model).state_dict()
-    weights = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in state_dict.items())
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})
     engine.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
 
 
@@ -324,6 +318,7 @@ def wake_engine(engine, model, accelerator, policy_version):
     if engine.llm is None:
         return sync_time
     if engine.asleep:
+        torch.cuda.empty_cache()  # the trainer's cached blocks: without this the weights may find no room
         engine.llm.wake_up(tags=["weights"])
     if engine.weights_version != policy_version:  # the first call always pushes; never stale or dropped weights
         start = time.time()
@@ -412,8 +407,10 @@ def update_policy(args, model, optimizer, batch, accelerator):
             num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
                                                                    minibatch.mask.sum()]), reduction="sum").clamp(min=1)
             micro = list(micro_batches(minibatch, args.micro_batch_size))
-            for j, (_, mc) in enumerate(micro):  # DDP/FSDP reduce the gradients in the last micro-batch's backward
-                with contextlib.nullcontext() if j == len(micro) - 1 else accelerator.no_sync(model):
+            for j, (_, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward only, FSDP2
+                # in each (reduce-scattered into float32 shards: no full gradient held between micro-batches)
+                with contextlib.nullcontext() if j == len(micro) - 1 or accelerator.is_fsdp2 else accelerator.no_sync(
+                        model):
                     logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
                     old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
                     advantages = mc.advantages
@@ -515,6 +512,7 @@ def main(args):
             log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
                 (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
                 for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
+        check_logprob_gap(metrics, args.run, tqdm.write, run_dir)  # an engine on stale weights stops the run here
         if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))

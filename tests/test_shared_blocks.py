@@ -26,7 +26,8 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
         "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the context holds tool output
     "Evaluation": ("grpo_tools.py",),  # test completions may call the tool too
     "Policy update": ("ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
-                      "high_entropy.py"),  # the mini-batch's entropy threshold masks the policy gradient
+                      "high_entropy.py",  # the mini-batch's entropy threshold masks the policy gradient
+                      "grpo_async.py"),  # the engine/trainer gap over this step's tokens only
     "Training loop": ("reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
                       "ppo.py",  # the critic: its values, per-token rewards, GAE
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards

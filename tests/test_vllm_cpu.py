@@ -147,8 +147,8 @@ def test_partial_rollouts_with_two_processes_on_vllm(tmp_path):
     assert "2 process(es)" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["eval/problems"] == 16
     assert any(r["async/groups_carried"] > 0 for r in rows) and "rollout/decode_calls" in rows[-1]
-    for r in rows:  # the engine/trainer gap is the float gap where every trained token is of this step's version
-        assert r["async/tokens_staleness_1"] > 0 or r["rollout/logprob_gap_max"] < 1e-3, r
+    for r in rows:  # the engine/trainer gap is measured on the tokens of this step's version: float rounding
+        assert r["rollout/logprob_gap_max"] < 1e-3, r
 
 
 TOOL_ROLLOUT_CHECK = """

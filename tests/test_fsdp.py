@@ -1,0 +1,103 @@
+"""FSDP2 on 2 CPU processes (gloo), launched as on GPUs: `accelerate launch --config_file configs/fsdp2.yaml` (with
+--mixed_precision no). utils/parallel.py's make_accelerator turns accelerate's FSDP2 on for CPU processes (accelerate
+1.15 otherwise falls back to DDP there), so every line after it is the GPU run's: the policy and the reference model
+sharded (DTensor parameters), the gradient norm gathered, the weights gathered for the engine one tensor at a time,
+sharded checkpoints and an exact resume, and a final/ folder of full weights. A 2-process FSDP2 run's metrics equal a
+2-process DDP run's with the same seed to float32 rounding (rel 1e-4: the gradient is reduce-scattered in shards
+instead of all-reduced whole, and each micro-batch's gradient reduced on its own, so sums run in another order)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, SMALL, run_grpo, two_processes
+
+pytestmark = pytest.mark.slow  # each test launches 2 processes
+
+
+def fsdp2(port):
+    """The launcher of a 2-process FSDP2 run on the CPU: the GPU config, without its bf16."""
+    return (sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs",
+            "fsdp2.yaml"), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--main_process_port", str(port))
+
+
+SHARDING_CHECK = """
+import json, torch
+from torch.distributed.tensor import DTensor
+import grpo
+from tests.helpers import resolved
+from utils.parallel import make_accelerator, policy_weights
+
+args = resolved(grpo)
+accelerator = make_accelerator()
+tokenizer, _ = grpo.load_tokenizer(args.model)
+model, optimizer, ref_model = grpo.load_models(args, tokenizer, accelerator, with_reference=True)
+weights = list(policy_weights(model, accelerator))  # every rank gathers every tensor, in the same order
+plain = grpo.load_model(args.model, tokenizer).state_dict()
+result = {"type": str(accelerator.distributed_type), "policy_sharded": all(isinstance(p, DTensor)
+          for p in model.parameters()), "reference_sharded": all(isinstance(p, DTensor) for p in ref_model.parameters()),
+          "local_rows": [p.to_local().shape[0] for p in ref_model.parameters()][:1],
+          "names": [name for name, _ in weights] == [name for name in plain if name != "lm_head.weight"],
+          "full": all(torch.equal(t, plain[name]) for name, t in weights)}
+if accelerator.is_main_process:
+    print(json.dumps(result))
+"""
+
+
+def test_the_policy_and_the_reference_are_sharded_and_gathered_whole(tmp_path):
+    """The reference model is sharded on the policy's mesh (accelerate's prepare_model for evaluation would leave a
+    full copy on the CPU, and on a GPU the first reference pass would fail on the device), and the weights the engine
+    gets are the full tensors under the model's own names."""
+    script = tmp_path / "sharding_check.py"
+    script.write_text(SHARDING_CHECK)
+    proc = subprocess.run([*fsdp2(29551), str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["type"].endswith("FSDP") and result["policy_sharded"] and result["reference_sharded"], result
+    assert result["local_rows"] == [129] and result["names"] and result["full"], result  # 258 rows of embeddings / 2
+
+
+def test_grpo_fsdp2_equals_ddp_resumes_exactly_and_saves_full_weights(tmp_path):
+    """The same 3 steps under DDP and under FSDP2 (2 mini-batches, the KL term on: the reference model too); the FSDP2
+    run stopped after its sharded step-2 checkpoint and resumed. Groups stay whole on each rank, normalizers and eval
+    counts are global."""
+    flags = ["--num_minibatches", "2", *SMALL, "--micro_batch_size", "4"]
+    proc, ddp = run_grpo(["--total_steps", "3", "--eval_every", "3", "--exp_name", "ddp", *flags], tmp_path,
+                         launcher=two_processes(29552))
+    assert proc.stdout.count("task toy:") == 1 and "2 process(es)" in proc.stdout  # one main process prints
+    assert ddp[0]["policy/first_minibatch_ratio_dev_max"] == 0.0 and ddp[2]["eval/problems"] == 16
+    # (no evaluation before the checkpoint: it samples, so it would move the random state the checkpoint saves)
+    run_grpo(["--total_steps", "2", "--save_every", "2", "--eval_every", "0", "--exp_name", "fsdp", *flags], tmp_path,
+             launcher=fsdp2(29553))
+    checkpoint = tmp_path / "fsdp" / "checkpoint"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir()  # each rank's shards, not one gathered file
+    proc, fsdp = run_grpo(["--total_steps", "3", "--eval_every", "3", "--resume", "--exp_name", "fsdp", *flags],
+                          tmp_path, launcher=fsdp2(29554))
+    assert "resumed from" in proc.stdout and [r["step"] for r in fsdp] == [1, 2, 3]
+    for key in ("charts/reward", "charts/completion_length", "losses/policy", "losses/kl", "policy/grad_norm",
+                "policy/clip_frac"):
+        assert [r[key] for r in fsdp] == pytest.approx([r[key] for r in ddp], rel=1e-4, abs=1e-7), key
+    assert fsdp[2]["eval/pass@1_greedy"] == pytest.approx(ddp[2]["eval/pass@1_greedy"])
+    from safetensors.torch import load_file
+
+    final = load_file(str(tmp_path / "fsdp" / "final" / "model.safetensors"))  # full tensors, loadable as --model
+    assert final["model.embed_tokens.weight"].shape[0] == 258
+
+
+def test_ppo_and_grpo_async_under_fsdp2(tmp_path):
+    """ppo.py's critic is sharded and checkpointed beside the policy; grpo_async.py's ranks decide together whether
+    to generate (a rank whose groups are all complete still joins the engine's collective passes: otherwise the
+    other rank waits forever, and the run hits the timeout)."""
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--save_every", "2", "--prompts_per_step", "8",
+                        "--micro_batch_size", "2"], tmp_path, launcher=fsdp2(29555), script="ppo.py", timeout=600)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["critic/value_loss"] >= 0 for r in rows)
+    assert (tmp_path / "ppo" / "checkpoint" / "pytorch_model_fsdp_1").is_dir()  # the critic's shards
+    _, rows = run_grpo(["--total_steps", "4", "--eval_every", "0", "--overprovision", "3", *SMALL,
+                        "--micro_batch_size", "4"], tmp_path, launcher=fsdp2(29556), script="grpo_async.py",
+                       timeout=600)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and any(r["async/groups_carried"] > 0 for r in rows)

@@ -1,0 +1,82 @@
+"""Processes, devices and sharding: what accelerate leaves to the caller. The Accelerator a run uses (FSDP2 on CPU
+processes too), the frozen reference model sharded like the policy, the policy's full weights one tensor at a time for
+the rollout engine, a free port for an engine of its own, and the vLLM versions the engine code supports."""
+
+import os
+import socket
+
+import torch
+
+VLLM_SUPPORTED = ((0, 26), (0, 40))  # [lowest, first unsupported): the releases whose push API the engine code uses
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+
+
+def make_accelerator():
+    """The run's Accelerator. On a GPU: bf16 autocast (a plain `python` run; `accelerate launch` passes its config's
+    precision in ACCELERATE_MIXED_PRECISION), and under FSDP2 gradients reduced in float32 (accelerate's bf16 policy
+    reduces in bf16). On CPUs: no mixed precision, gloo when launched as several processes, and FSDP2 when the launch
+    asks for it (configs/fsdp2.yaml): accelerate 1.15 enables FSDP only on accelerators and otherwise silently wraps
+    the model in DDP; everything after that switch (fully_shard on the default mesh, here a CPU mesh) is the GPU code."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    on_gpu = torch.cuda.is_available()
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
+                              if on_gpu else "no")
+    state = accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables, as on a GPU
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if accelerator.is_fsdp2 and accelerator.mixed_precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+    return accelerator
+
+
+def prepare_reference(accelerator, model):
+    """The frozen reference model, on the policy's devices: under FSDP2 sharded on the policy's mesh (accelerate's
+    prepare_model(evaluation_mode=True) neither shards nor moves it there), else as accelerate prepares it for
+    evaluation. It is never checkpointed: a resumed run reloads it from --model."""
+    if accelerator.is_fsdp2:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, model.eval().requires_grad_(False))
+    model = accelerator.prepare_model(model.eval().requires_grad_(False), evaluation_mode=True)
+    accelerator._models.remove(model)  # prepare_model registered it for save_state
+    return model
+
+
+def policy_weights(model, accelerator):
+    """(name, full tensor) of every weight the engine loads, one at a time and in the same order on every process
+    (under FSDP2 each is all-gathered, a collective): the names are the Hugging Face model's, without the prefixes
+    activation checkpointing and torch.compile add, and a tied lm_head is not sent twice (the engine ties it)."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    tied = getattr(unwrapped.config, "tie_word_embeddings", False)
+    for name, tensor in unwrapped.state_dict().items():
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if tied and name == "lm_head.weight":
+            continue
+        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def free_port():
+    """A TCP port no process listens on now (a plain `python grpo.py` is a world of one that its in-process engine
+    still rendezvous on: a fixed port collides with a second run on the machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_vllm(version):
+    """A one-line error when the installed vLLM is outside the releases the engine code supports (before the engine's
+    long start, not at its first weight push)."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    low, high = VLLM_SUPPORTED
+    if not low <= parts < high:
+        raise ValueError(f"vLLM {version} is installed; the engine code supports {low[0]}.{low[1]} up to (not "
+                         f"including) {high[0]}.{high[1]}: install one of those, or pass --engine hf")
