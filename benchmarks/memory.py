@@ -1,0 +1,162 @@
+"""Peak memory and time of one trainer step at real models' shapes: the token log-probs computed a chunk of positions
+at a time (utils/logprobs.py) against the whole-vocabulary float32 log-softmax, and gradient checkpointing on and
+off; and the estimate every run prints at start (utils/memory.py) against what was measured.
+
+    python benchmarks/memory.py                          # Qwen2.5-0.5B and 1.5B widths, 2 layers, completions 512-4096
+    python benchmarks/memory.py --layers 24 --lengths 512 1024 --models qwen2.5-0.5b --name memory_full_depth
+
+Each case runs in a fresh process: a Qwen2 model of the shape with random weights (no hub), float32 on the CPU, one
+micro-batch of --micro_batch sequences of 64 prompt tokens and T completion tokens: forward through the trainer's
+token log-prob code, a policy-gradient loss, backward, and an AdamW step, three times. The log-prob pass's memory is
+the peak RSS of the first forward, loss and backward over the RSS with the model loaded (activations, logits,
+gradients); the step's peak is the peak RSS of all three steps over the RSS before the model existed (weights and
+Adam's moments too), which the estimate is checked against; the step time is the median of the last two. The
+per-token cost is the slope of the log-prob pass's memory over T. Cases run interleaved,
+so the time ratios compare steps measured under the same load. The depth is cut to --layers on a CPU (the output
+layer and the per-layer terms are the same at any depth; the estimate takes the depth into account).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = {  # the models' configs (Hugging Face), vocabulary included
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+CASES = (("full", "off"), ("chunked", "off"), ("chunked", "on"))  # log-probs, gradient checkpointing
+PROMPT = 64
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, threads):
+    """Runs in its own process: the measurement of one case, as a dict."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from utils.logprobs import full_vocabulary_logprobs, token_logprobs
+    from utils.memory import estimate, parameters
+    from utils.models import gradient_checkpointing
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    before = rss()
+    config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=PROMPT + length)
+    model = Qwen2ForCausalLM(config).eval()  # eval: as the trainer keeps the policy (no dropout)
+    gradient_checkpointing(model, checkpointing, model_name="not-the-embedded-model")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, PROMPT + length))
+    attention = torch.ones_like(ids)
+    advantages = torch.randn(micro_batch, 1)
+    compute = token_logprobs if logprobs == "chunked" else full_vocabulary_logprobs
+    loaded, seconds = rss(), []
+    for step in range(3):
+        start = time.perf_counter()
+        logp, _ = compute(model, ids, attention, PROMPT, 1.0)
+        loss = -(advantages * logp).mean()
+        loss.backward()
+        if step == 0:  # the log-prob pass alone: forward, loss, backward (activations, logits, gradients)
+            pass_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - loaded
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+        del logp, loss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    parts = estimate(config, parameters(model), 0, micro_batch, PROMPT + length, length, checkpointing == "on")
+    return {"shape": shape, "layers": layers, "length": length, "logprobs": logprobs, "checkpointing": checkpointing,
+            "micro_batch": micro_batch, "pass_gb": pass_peak / 2**30, "peak_gb": peak / 2**30,
+            "step_s": statistics.median(seconds[1:]),
+            "estimate_gb": parts["total"] / 2**30, "estimate": {k: v / 2**30 for k, v in parts.items()}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=sorted(SHAPES), choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096])
+    parser.add_argument("--micro_batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--name", default="memory")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case and print its JSON
+    opts = parser.parse_args()
+    if opts.case:
+        print(json.dumps(one_case(**json.loads(opts.case))))
+        return
+    from toy_runs import write_results
+
+    results = []
+    for shape in opts.models:
+        for length in opts.lengths:
+            for logprobs, checkpointing in CASES:
+                case = dict(shape=shape, layers=opts.layers, length=length, logprobs=logprobs,
+                            checkpointing=checkpointing, micro_batch=opts.micro_batch, threads=opts.threads)
+                proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
+                                      text=True)
+                if proc.returncode != 0:
+                    raise SystemExit(proc.stderr[-3000:])
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(json.dumps(results[-1]), flush=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{opts.name}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
+    lines = [f"`python benchmarks/memory.py {' '.join(sys.argv[1:])}` ({opts.layers} layers, micro-batch "
+             f"{opts.micro_batch} x (64 + T) tokens, float32, {opts.threads} threads, one process per case)", "",
+             "| model | T | log-probs | checkpointing | log-prob pass GB | step peak GB | estimate GB | estimate error | "
+             "step s | step time vs full, no checkpointing |", "|" + "---|" * 10]
+    for r in results:
+        base = next(b for b in results if b["shape"] == r["shape"] and b["length"] == r["length"] and
+                    b["logprobs"] == "full")
+        lines.append(f"| {r['shape']} | {r['length']} | {r['logprobs']} | {r['checkpointing']} | {r['pass_gb']:.2f} | "
+                     f"{r['peak_gb']:.2f} | "
+                     f"{r['estimate_gb']:.2f} | {(r['estimate_gb'] - r['peak_gb']) / r['peak_gb']:+.0%} | "
+                     f"{r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x |")
+    lines += ["", "Per completion token (the slope of the log-prob pass's memory over T, least squares), MB:", "",
+              "| model | log-probs | checkpointing | MB per token |", "|---|---|---|---|"]
+    slopes = {}
+    for shape in opts.models:
+        for logprobs, checkpointing in CASES:
+            points = [(r["length"], r["pass_gb"] * 1024) for r in results if r["shape"] == shape and
+                      r["logprobs"] == logprobs and r["checkpointing"] == checkpointing]
+            mean_t = statistics.mean(t for t, _ in points)
+            mean_m = statistics.mean(m for _, m in points)
+            slope = sum((t - mean_t) * (m - mean_m) for t, m in points) / sum((t - mean_t) ** 2 for t, _ in points)
+            slopes[(shape, logprobs, checkpointing)] = slope
+            lines.append(f"| {shape} | {logprobs} | {checkpointing} | {slope:.3f} |")
+    path = write_results(opts.name, lines)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, len(opts.models), figsize=(6 * len(opts.models), 4), squeeze=False)
+    for ax, shape in zip(axes[0], opts.models):
+        for logprobs, checkpointing in CASES:
+            points = [r for r in results if r["shape"] == shape and r["logprobs"] == logprobs and
+                      r["checkpointing"] == checkpointing]
+            ax.plot([r["length"] for r in points], [r["pass_gb"] for r in points], marker="o",
+                    label=f"{logprobs} log-probs, checkpointing {checkpointing}")
+        ax.set(title=f"{shape} width, {opts.layers} layers", xlabel="completion tokens T",
+               ylabel="log-prob pass GB (forward, loss, backward)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()

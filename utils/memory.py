@@ -1,0 +1,92 @@
+"""What a run's trainer will need: an estimate of its peak memory per process for one optimizer step on a micro-batch
+of the longest sequences, from the models' sizes and the run's arguments, printed at start (and, on a GPU, with
+the rollout engine's share). benchmarks/memory.py measures the same quantities and reports the estimate's error.
+
+Per process, with P the parameters of the models trained (the policy; ppo.py's critic too), F those of the frozen
+reference, W the processes (FSDP2 shards every model over them; DDP does not), b x S tokens in a micro-batch of
+which b x T are completion tokens, L decoder layers of width H, MLP width I, key/value width K:
+
+  weights      4 (P + F) / W          float32 master weights (GPU: bf16 autocast or FSDP2's bf16 compute copies)
+  gradients    4 P / W                float32
+  optimizer    8 P / W                AdamW's two moments
+  activations  b S L a                 a = A (7 H + 2 K + 4 I) bytes per token and layer: the tensors a Llama/Qwen
+                                       layer keeps for its backward pass (A = 4 in float32, 2 under bf16);
+                                       with gradient checkpointing b S (L A' H + a), A' the residual stream's bytes
+  log-probs    b T H 4 + C V 4 x 3     the hidden states the output layer reads, and one chunk of C = CHUNK_TOKENS
+                                       positions' float32 logits with its softmax and gradient (utils/logprobs.py)
+  scratch      4 M                     M = the largest parameter (a tied embedding's two gradients as they meet; the
+                                       optimizer's per-tensor temporaries), or on a GPU 4 P / W (AdamW's foreach
+                                       implementation makes temporaries of every parameter at once)
+"""
+
+import torch
+
+from utils.logprobs import CHUNK_TOKENS
+
+GB = 2**30
+
+
+def parameters(model):
+    """Parameters of a model, counted on its full (unsharded) shapes."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate(config, trained, frozen, micro_batch, seq_len, completion_len, checkpointing, bf16=False,
+             processes=1, fsdp=False, cuda=False):
+    """Bytes of each part of one process's trainer peak (dict, and "total"), per the module docstring. config: the
+    policy's model config; trained, frozen: parameter counts."""
+    shard = processes if fsdp else 1
+    act_bytes = 2 if bf16 else 4
+    H, I, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    K = getattr(config, "num_key_value_heads", config.num_attention_heads) * getattr(
+        config, "head_dim", H // config.num_attention_heads)
+    per_layer_token = act_bytes * (7 * H + 2 * K + 4 * I)
+    tokens = micro_batch * seq_len
+    activations = tokens * (L * 4 * H + per_layer_token) if checkpointing else tokens * L * per_layer_token
+    parts = {"weights": 4 * (trained + frozen) / shard, "gradients": 4 * trained / shard,
+             "optimizer": 8 * trained / shard, "activations": activations,
+             "logprobs": micro_batch * completion_len * H * 4 + min(CHUNK_TOKENS, micro_batch * completion_len) *
+             config.vocab_size * 4 * 3,
+             "scratch": 4 * trained / shard if cuda else 4 * config.vocab_size * config.hidden_size}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def device_memory():
+    """Bytes of the device the trainer runs on: the GPU's, or the machine's available memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":") for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def memory_line(parts, engine_fraction=None, device=None):
+    """One line for the console: the estimate, its largest parts, and, where it does not fit the device (beside the
+    engine's share on a GPU), which flag to change."""
+    device = device_memory() if device is None else device
+    room = device * (1 - (engine_fraction or 0))
+    largest = sorted((k for k in parts if k != "total"), key=parts.get, reverse=True)[:3]
+    line = (f"memory: the trainer needs about {parts['total'] / GB:.1f} GB per process (" +
+            ", ".join(f"{k} {parts[k] / GB:.1f}" for k in largest) + ")" +
+            (f", beside the engine's {engine_fraction:.0%} of the GPU's {device / GB:.0f} GB" if engine_fraction
+             else f", of {device / GB:.0f} GB available"))
+    if parts["total"] > room:
+        line += (": it does not fit; lower --micro_batch_size or --max_new_tokens, turn on --gradient_checkpointing, "
+                 "use LoRA (--lora_rank), or shard over more GPUs (configs/fsdp2.yaml)")
+    return line
+
+
+def trainer_memory(accelerator, trained_models, frozen_models, micro_batch, seq_len, completion_len):
+    """estimate() for a run's models as they were prepared: the parameters that train (peft's adapters only under
+    LoRA) and the frozen ones (a reference model, LoRA's base weights), gradient checkpointing if the policy's layers
+    are wrapped for it, bf16, the processes and FSDP2 from the accelerator."""
+    models = [m for m in trained_models if m is not None]
+    frozen = [m for m in frozen_models if m is not None]
+    trainable = sum(p.numel() for m in models for p in m.parameters() if p.requires_grad)
+    fixed = sum(p.numel() for m in models for p in m.parameters() if not p.requires_grad) + sum(map(parameters, frozen))
+    checkpointing = any(type(module).__name__ == "CheckpointWrapper" for module in models[0].modules())
+    config = getattr(accelerator.unwrap_model(models[0]), "config")
+    return estimate(config, trainable, fixed, micro_batch, seq_len, completion_len, checkpointing,
+                    accelerator.mixed_precision == "bf16", accelerator.num_processes, accelerator.is_fsdp2,
+                    torch.cuda.is_available())
