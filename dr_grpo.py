@@ -38,7 +38,8 @@ from utils.checks import (check_batch_layout, check_fraction, check_lengths, che
 from utils.hf_engine import HFDecoder, Sample
 from utils.logprobs import token_logprobs as chunked_token_logprobs
 from utils.memory import memory_line, trainer_memory
-from utils.models import gradient_checkpointing, load_tokenizer, resolve_model
+from utils.lora import AdaptersOff
+from utils.models import for_training, load_tokenizer, resolve_model
 from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_centered, kl_k3, pass_at_k
@@ -225,14 +226,18 @@ def load_model(model_name, tokenizer):
 
 
 def load_models(args, tokenizer, accelerator, with_reference):
-    """The policy and its optimizer, prepared (DDP or FSDP), and the frozen reference model (None without)."""
-    model = gradient_checkpointing(load_model(args.model, tokenizer), args.run.gradient_checkpointing, args.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    """The policy and its optimizer over the parameters that train, prepared (DDP or FSDP2), and the frozen reference
+    model (None without)."""
+    model = for_training(load_model(args.model, tokenizer), args.run, args.model)  # LoRA, gradient checkpointing
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
     ref_model = None
-    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed
-        ref_model = prepare_reference(accelerator, load_model(args.model, tokenizer))
+    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed;
+        # with LoRA the policy itself with its adapters switched off
+        ref_model = AdaptersOff(model, accelerator.unwrap_model(model)) if args.run.lora_rank else (
+            prepare_reference(accelerator, load_model(args.model, tokenizer)))
     return model, optimizer, ref_model
 
 

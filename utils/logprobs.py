@@ -61,7 +61,8 @@ def full_vocabulary_logprobs(model, input_ids, attention_mask, prompt_width, tem
 
 def causal_lm(model):
     """The module whose forward applies the output layer (lm_head), under any wrapper: DDP, torch.compile, peft."""
-    model = getattr(model, "module", model)  # DDP
+    while hasattr(model, "module"):  # DDP; a LoRA run's reference (the policy with its adapters off)
+        model = model.module
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 

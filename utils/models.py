@@ -100,6 +100,16 @@ def convert_gguf(path, folder):
     os.replace(tmp, folder)
 
 
+def for_training(model, run, model_name, trainable=()):
+    """The model as the run trains it: with LoRA adapters when --lora_rank > 0 (utils/lora.py; `trainable`: modules
+    that train whole beside them), and gradient checkpointing as --gradient_checkpointing says."""
+    if run.lora_rank:
+        from utils.lora import apply_lora
+
+        model = apply_lora(model, run.lora_rank, run.lora_alpha or 32, trainable)
+    return gradient_checkpointing(model, run.gradient_checkpointing, model_name)
+
+
 def gradient_checkpointing(model, setting, model_name):
     """Recompute each decoder layer in the backward pass instead of keeping its activations: only the layer inputs
     stay in memory. setting "on", "off", or "auto": on for every model but the embedded one (and models trained from

