@@ -108,7 +108,8 @@ class Args:
     """per token or per sequence (the product of the ratios); truncate at the cap, or mask outside [1/cap, cap]"""
     # experiment
     exp_name: Optional[str] = None
-    """the run's folder name under --output_dir; None: the script, model, task, a hash of the changed flags, seed"""
+    """the run's name: its folder is <output_dir>/<exp_name>__<seed>; None: the script's name, then (other flags than
+    the defaults) the model, the task and a hash of the changed flags"""
     seed: int = 1
     """random seed"""
     run: tyro.conf.OmitArgPrefixes[RunArgs] = field(default_factory=RunArgs)

@@ -21,7 +21,7 @@ def two_processes(port):
 
 def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True, script="grpo.py"):
     """Run an algorithm script (grpo.py by default) with `args` into out_dir; returns (completed process, metrics rows
-    of its run). Every test names its run (--exp_name, default: the script's name), so the folder is known."""
+    of its run). Every test names its run (--exp_name, default: the script's name): its folder is <exp_name>__<seed>."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     exp = args[args.index("--exp_name") + 1] if "--exp_name" in args else script[:-3]
     if "--exp_name" not in args:
@@ -30,7 +30,8 @@ def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True,
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    path = os.path.join(str(out_dir), exp, "metrics.jsonl")
+    seed = args[args.index("--seed") + 1] if "--seed" in args else "1"
+    path = os.path.join(str(out_dir), f"{exp}__{seed}", "metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     return proc, rows
 

@@ -112,4 +112,4 @@ def test_script_runs_end_to_end_off_policy(tmp_path):
     assert all(r["policy/first_minibatch_ratio_dev_max"] == 0.0 for r in rows)
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and "policy/dual_clip_frac" in rows[0]
     assert rows[0]["losses/kl"] >= 0 and "eval/pass@1_greedy" in rows[1]
-    assert (tmp_path / "aspo" / "final" / "model.safetensors").exists()
+    assert (tmp_path / "aspo__1" / "final" / "model.safetensors").exists()

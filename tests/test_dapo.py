@@ -155,7 +155,7 @@ def test_give_up_path_trains_on_nothing_when_no_group_is_informative(tmp_path):
     assert rows[0]["dapo/gen_rounds"] == 2 and rows[0]["dapo/trained_groups"] == 0
     assert rows[0]["dapo/informative_group_frac"] == 0 and rows[0]["charts/accuracy"] == 0
     before, after = load_file(f"{TOY_MODEL_DIR}/model.safetensors"), load_file(
-        str(tmp_path / "dapo" / "final" / "model.safetensors"))
+        str(tmp_path / "dapo__1" / "final" / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in after)
 
 

@@ -74,7 +74,7 @@ def test_grpo_fsdp2_equals_ddp_resumes_exactly_and_saves_full_weights(tmp_path):
     # (no evaluation before the checkpoint: it samples, so it would move the random state the checkpoint saves)
     run_grpo(["--total_steps", "2", "--save_every", "2", "--eval_every", "0", "--exp_name", "fsdp", *flags], tmp_path,
              launcher=fsdp2(29553))
-    checkpoint = tmp_path / "fsdp" / "checkpoint"
+    checkpoint = tmp_path / "fsdp__1" / "checkpoint"
     assert (checkpoint / "pytorch_model_fsdp_0").is_dir()  # each rank's shards, not one gathered file
     proc, fsdp = run_grpo(["--total_steps", "3", "--eval_every", "3", "--resume", "--exp_name", "fsdp", *flags],
                           tmp_path, launcher=fsdp2(29554))
@@ -85,7 +85,7 @@ def test_grpo_fsdp2_equals_ddp_resumes_exactly_and_saves_full_weights(tmp_path):
     assert fsdp[2]["eval/pass@1_greedy"] == pytest.approx(ddp[2]["eval/pass@1_greedy"])
     from safetensors.torch import load_file
 
-    final = load_file(str(tmp_path / "fsdp" / "final" / "model.safetensors"))  # full tensors, loadable as --model
+    final = load_file(str(tmp_path / "fsdp__1" / "final" / "model.safetensors"))  # full tensors, loadable as --model
     assert final["model.embed_tokens.weight"].shape[0] == 258
 
 
@@ -96,7 +96,7 @@ def test_ppo_and_grpo_async_under_fsdp2(tmp_path):
     _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--save_every", "2", "--prompts_per_step", "8",
                         "--micro_batch_size", "2"], tmp_path, launcher=fsdp2(29555), script="ppo.py", timeout=600)
     assert [r["step"] for r in rows] == [1, 2] and all(r["critic/value_loss"] >= 0 for r in rows)
-    assert (tmp_path / "ppo" / "checkpoint" / "pytorch_model_fsdp_1").is_dir()  # the critic's shards
+    assert (tmp_path / "ppo__1" / "checkpoint" / "pytorch_model_fsdp_1").is_dir()  # the critic's shards
     _, rows = run_grpo(["--total_steps", "4", "--eval_every", "0", "--overprovision", "3", *SMALL,
                         "--micro_batch_size", "4"], tmp_path, launcher=fsdp2(29556), script="grpo_async.py",
                        timeout=600)

@@ -116,7 +116,7 @@ def test_partial_rollouts_carry_bound_and_resume_exactly(tmp_path):
         assert "async/tokens_staleness_2" not in r
         assert r["async/tokens_staleness_0"] + r["async/tokens_staleness_1"] == pytest.approx(1.0)
         assert r["rollout/decode_calls"] <= 48 and 0 <= r["rollout/tail_frac"] < 1
-    carried = json.load(open(tmp_path / "straight" / "checkpoint" / "carry_0.json"))
+    carried = json.load(open(tmp_path / "straight__1" / "checkpoint" / "carry_0.json"))
     assert carried == [] or {"row", "version", "completions"} <= set(carried[0])
     # interrupted after step 2's checkpoint, resumed: steps 3 and 4 as the straight run's (carry, RNG, weights)
     run_grpo(["--total_steps", "2", *flags], tmp_path, script="grpo_async.py")

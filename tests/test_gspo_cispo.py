@@ -142,4 +142,4 @@ def test_script_runs_end_to_end_off_policy(tmp_path, script, key):
     assert all(r["policy/first_minibatch_ratio_dev_max"] == 0.0 for r in rows)
     assert max(r["policy/ratio_max"] for r in rows) > 1.0 and key in rows[0]
     assert "losses/kl" not in rows[0] and "eval/pass@1_greedy" in rows[1]
-    assert (tmp_path / script[:-3] / "final" / "model.safetensors").exists()
+    assert (tmp_path / f"{script[:-3]}__1" / "final" / "model.safetensors").exists()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import grpo
 from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import logprobs, rollout, setup
-from utils.lora import AdaptersOff, apply_lora, merged_weights
+from utils.lora import AdaptersOff, merged_weights
 from utils.models import for_training
 
 
@@ -87,7 +87,7 @@ def test_lora_run_checkpoints_adapters_resumes_exactly_and_saves_a_merged_model(
     flags = ["--eval_every", "0", "--save_every", "2", "--lora_rank", "4", "--learning_rate", "1e-3",
              "--num_minibatches", "2", *SMALL]
     run_grpo(["--total_steps", "2", *flags], tmp_path)
-    saved = load_file(str(tmp_path / "grpo" / "checkpoint" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "grpo__1" / "checkpoint" / "model.safetensors"))
     assert saved and all("lora_" in key for key in saved)
     _, resumed = run_grpo(["--total_steps", "4", "--resume", *flags], tmp_path)
     _, straight = run_grpo(["--total_steps", "4", "--exp_name", "straight", *flags], tmp_path)
@@ -96,7 +96,7 @@ def test_lora_run_checkpoints_adapters_resumes_exactly_and_saves_a_merged_model(
         assert [r[key] for r in resumed[2:]] == pytest.approx([r[key] for r in straight[2:]], rel=1e-5), key
     from transformers import AutoModelForCausalLM
 
-    final = tmp_path / "grpo" / "final"
+    final = tmp_path / "grpo__1" / "final"
     assert (final / "adapter" / "adapter_model.safetensors").exists()
     AutoModelForCausalLM.from_pretrained(str(final))  # transformers loads the merged folder as a plain model
 

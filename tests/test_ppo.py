@@ -179,5 +179,5 @@ def test_two_processes(tmp_path):
                        launcher=launcher, script="ppo.py")
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/problems"] == 16
     assert all(r["policy/first_minibatch_ratio_dev_max"] == 0.0 for r in rows)
-    assert (tmp_path / "ppo" / "checkpoint" / "model_1.safetensors").exists()  # the critic is checkpointed
-    assert json.load(open(tmp_path / "ppo" / "checkpoint" / "step.json"))["step"] == 2
+    assert (tmp_path / "ppo__1" / "checkpoint" / "model_1.safetensors").exists()  # the critic is checkpointed
+    assert json.load(open(tmp_path / "ppo__1" / "checkpoint" / "step.json"))["step"] == 2

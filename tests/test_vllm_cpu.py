@@ -222,14 +222,14 @@ def test_two_runs_at_once_and_the_stale_weights_alarm_stops_a_broken_push(tmp_pa
             for name, launch in (("good", ["grpo.py"]), ("broken", ["-c", BROKEN_PUSH, "grpo.py"]))]
     (good_out, good_err), (broken_out, broken_err) = (run.communicate(timeout=900) for run in runs)
     assert runs[0].returncode == 0, good_err[-3000:]
-    good = [json.loads(line) for line in open(tmp_path / "good" / "metrics.jsonl")]
+    good = [json.loads(line) for line in open(tmp_path / "good__1" / "metrics.jsonl")]
     assert [r["step"] for r in good] == [1, 2, 3] and max(r["rollout/logprob_gap_mean"] for r in good) < 1e-4
     assert runs[1].returncode != 0 and "Traceback" not in broken_err, broken_err[-3000:]
     last = broken_err.strip().splitlines()[-1]
     assert last.startswith("error: step 2: the mean engine/trainer log-prob gap") and "--logprob_gap_stop" in last
-    broken = [json.loads(line) for line in open(tmp_path / "broken" / "metrics.jsonl")]
+    broken = [json.loads(line) for line in open(tmp_path / "broken__1" / "metrics.jsonl")]
     assert broken[0]["rollout/logprob_gap_mean"] < 1e-4 and broken[1]["rollout/logprob_gap_mean"] > 0.02, broken
-    assert json.load(open(tmp_path / "broken" / "checkpoint" / "step.json"))["step"] == 1  # step 2's never written
+    assert json.load(open(tmp_path / "broken__1" / "checkpoint" / "step.json"))["step"] == 1  # step 2's never written
 
 
 def test_fsdp2_ranks_push_gathered_weights_to_their_engines(tmp_path):

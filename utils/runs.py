@@ -134,12 +134,12 @@ UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track",
 
 
 def run_name(script, args, exp_name, model, task, seed):
-    """The run's folder name: exp_name when given, else `<script>[__<model>__<task>__<hash>]__<seed>`, the hash (6 hex
-    digits) taken over every field of the dataclass `args` (its nested `run` flags too) that differs from its default,
-    but UNNAMED_FLAGS. Two different commands never share a folder, and the same command finds its own again
-    (--resume); `python grpo.py` is grpo__1."""
+    """The run's folder name: `<exp_name>__<seed>` when exp_name is given, else
+    `<script>[__<model>__<task>__<hash>]__<seed>`, the hash (6 hex digits) taken over every field of the dataclass
+    `args` (its nested `run` flags too) that differs from its default, but UNNAMED_FLAGS. Two different commands
+    never share a folder, and the same command finds its own again (--resume); `python grpo.py` is grpo__1."""
     if exp_name:
-        return exp_name
+        return f"{exp_name}__{seed}"
     defaults = _flat(dataclasses.asdict(type(args)()))
     changed = {key: value for key, value in _flat(dataclasses.asdict(args)).items()
                if value != defaults[key] and key not in UNNAMED_FLAGS}
