@@ -8,9 +8,9 @@ off; and the estimate every run prints at start (utils/memory.py) against what w
 Each case runs in a fresh process: a Qwen2 model of the shape with random weights (no hub), float32 on the CPU, one
 micro-batch of --micro_batch sequences of 64 prompt tokens and T completion tokens: forward through the trainer's
 token log-prob code, a policy-gradient loss, backward, and an AdamW step, three times. The log-prob pass's memory is
-the peak RSS of the first forward, loss and backward over the RSS with the model loaded (activations, logits,
-gradients); the step's peak is the peak RSS of all three steps over the RSS before the model existed (weights and
-Adam's moments too), which the estimate is checked against; the step time is the median of the last two. The
+the peak RSS (VmHWM, reset once the model is built) of the first forward, loss and backward over the RSS with the
+model loaded (activations, logits, gradients); the step's peak is the peak RSS of all three steps over the RSS before
+the model existed (weights and Adam's moments too), which the estimate is checked against; the step time is the median of the last two. The
 per-token cost is the slope of the log-prob pass's memory over T. Cases run interleaved,
 so the time ratios compare steps measured under the same load. The depth is cut to --layers on a CPU (the output
 layer and the per-layer terms are the same at any depth; the estimate takes the depth into account).
@@ -19,7 +19,6 @@ layer and the per-layer terms are the same at any depth; the estimate takes the 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,9 +38,15 @@ CASES = (("full", "off"), ("chunked", "off"), ("chunked", "on"))  # log-probs, g
 PROMPT = 64
 
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status(key):
+    """VmRSS (resident now) or VmHWM (the peak since the last reset), bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from VmRSS (Linux)
+        f.write("5")
 
 
 def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, threads):
@@ -55,7 +60,7 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    before = rss()
+    before = status("VmRSS")
     config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=PROMPT + length)
     model = Qwen2ForCausalLM(config).eval()  # eval: as the trainer keeps the policy (no dropout)
     gradient_checkpointing(model, checkpointing, model_name="not-the-embedded-model")
@@ -64,19 +69,20 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
     attention = torch.ones_like(ids)
     advantages = torch.randn(micro_batch, 1)
     compute = token_logprobs if logprobs == "chunked" else full_vocabulary_logprobs
-    loaded, seconds = rss(), []
+    reset_peak()  # not the model's initialization, which holds temporaries
+    loaded, seconds = status("VmRSS"), []
     for step in range(3):
         start = time.perf_counter()
         logp, _ = compute(model, ids, attention, PROMPT, 1.0)
         loss = -(advantages * logp).mean()
         loss.backward()
         if step == 0:  # the log-prob pass alone: forward, loss, backward (activations, logits, gradients)
-            pass_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - loaded
+            pass_peak = status("VmHWM") - loaded
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
         del logp, loss
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = status("VmHWM") - before
     parts = estimate(config, parameters(model), 0, micro_batch, PROMPT + length, length, checkpointing == "on")
     return {"shape": shape, "layers": layers, "length": length, "logprobs": logprobs, "checkpointing": checkpointing,
             "micro_batch": micro_batch, "pass_gb": pass_peak / 2**30, "peak_gb": peak / 2**30,

@@ -83,21 +83,24 @@ class _HiddenStates(torch.nn.Module):
 
 class _ChunkedHead(torch.autograd.Function):
     """(hidden (N, H), weight (V, H), bias (V,) or None, targets (N,)) -> (log pi(target) (N,), entropy (N,) or
-    empty), CHUNK_TOKENS positions at a time; backward recomputes each chunk's logits. The gradient of log pi(t) with
-    respect to the logits z is (onehot(t) - softmax(z / T)) / T."""
+    empty), chunk_tokens positions at a time; backward recomputes each chunk's logits. The gradient of log pi(t) with
+    respect to the logits z is (onehot(t) - softmax(z / T)) / T. A chunk's (chunk_tokens, V) float32 buffer is reused
+    in place for its softmax and gradient, and freed before the next chunk's."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, dtype, chunk_tokens, with_entropy):
         logp, lse = hidden.new_empty(len(hidden), dtype=torch.float32), hidden.new_empty(len(hidden),
                                                                                          dtype=torch.float32)
         entropy = hidden.new_empty(len(hidden) if with_entropy else 0, dtype=torch.float32)
+        w = weight.to(dtype)
         for start in range(0, len(hidden), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            z = _logits(hidden[rows], weight, bias, dtype) / temperature
+            z = _logits(hidden[rows], w, bias, dtype, temperature)
             lse[rows] = torch.logsumexp(z, dim=-1)
             logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-            if with_entropy:  # H = logsumexp(z) - sum_v p_v z_v
-                entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if with_entropy:  # H = logsumexp(z) - sum_v p_v z_v, p = exp(z - logsumexp(z))
+                entropy[rows] = lse[rows] - (z - lse[rows, None]).exp_().mul_(z).sum(-1)
+            del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.dtype, ctx.chunk_tokens = temperature, dtype, chunk_tokens
         ctx.mark_non_differentiable(entropy)
@@ -106,33 +109,39 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         for start in range(0, len(hidden), ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            z = _logits(hidden[rows], weight, bias, ctx.dtype) / ctx.temperature
-            grad_z = torch.exp(z - lse[rows, None]).mul_(-grad_logp[rows, None])  # -g softmax(z / T) ...
-            grad_z.scatter_add_(-1, targets[rows, None], grad_logp[rows, None])  # ... + g onehot(t)
-            grad_z = grad_z.div_(ctx.temperature).to(ctx.dtype)
+            g = grad_logp[rows, None]
+            grad_z = _logits(hidden[rows], w, bias, ctx.dtype, ctx.temperature)  # z, then in place:
+            grad_z.sub_(lse[rows, None]).exp_().mul_(-g)  # -g softmax(z) ...
+            grad_z.scatter_add_(-1, targets[rows, None], g).div_(ctx.temperature)  # ... + g onehot(t), over T
             with _no_autocast(hidden):
                 if grad_hidden is not None:
-                    grad_hidden[rows] = (grad_z @ weight.to(ctx.dtype)).to(hidden.dtype)
+                    grad_hidden[rows] = (grad_z.to(ctx.dtype) @ w).to(hidden.dtype)
                 if grad_weight is not None:
-                    grad_weight += (grad_z.T @ hidden[rows].to(ctx.dtype)).float()
+                    if ctx.dtype == torch.float32:
+                        grad_weight.addmm_(grad_z.T, hidden[rows].float())
+                    else:
+                        grad_weight += (grad_z.to(ctx.dtype).T @ hidden[rows].to(ctx.dtype)).float()
             if grad_bias is not None:
-                grad_bias += grad_z.float().sum(0)
+                grad_bias += grad_z.sum(0)
+            del grad_z
         return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
 
 
-def _logits(hidden, weight, bias, dtype):
-    """hidden W^T (+ b) in `dtype`, as the model's output layer computes them, returned in float32."""
+def _logits(hidden, weight, bias, dtype, temperature):
+    """(hidden W^T (+ b)) / T, the matmul in `dtype` as the model's output layer computes it, in float32."""
     with _no_autocast(hidden):
-        z = hidden.to(dtype) @ weight.to(dtype).T
+        z = hidden.to(dtype) @ weight.T
         if bias is not None:
-            z = z + bias.to(dtype)
-    return z.float()
+            z += bias.to(dtype)
+    z = z.float()
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def _no_autocast(tensor):

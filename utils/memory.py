@@ -12,8 +12,8 @@ which b x T are completion tokens, L decoder layers of width H, MLP width I, key
   activations  b S L a                 a = A (7 H + 2 K + 4 I) bytes per token and layer: the tensors a Llama/Qwen
                                        layer keeps for its backward pass (A = 4 in float32, 2 under bf16);
                                        with gradient checkpointing b S (L A' H + a), A' the residual stream's bytes
-  log-probs    b T H 4 + C V 4 x 3     the hidden states the output layer reads, and one chunk of C = CHUNK_TOKENS
-                                       positions' float32 logits with its softmax and gradient (utils/logprobs.py)
+  log-probs    b T H 4 + 2 C V 4       the hidden states the output layer reads, and one chunk of C = CHUNK_TOKENS
+                                       positions' float32 logits, with the temporaries of their log-sum-exp
   scratch      4 M                     M = the largest parameter (a tied embedding's two gradients as they meet; the
                                        optimizer's per-tensor temporaries), or on a GPU 4 P / W (AdamW's foreach
                                        implementation makes temporaries of every parameter at once)
@@ -46,7 +46,7 @@ def estimate(config, trained, frozen, micro_batch, seq_len, completion_len, chec
     parts = {"weights": 4 * (trained + frozen) / shard, "gradients": 4 * trained / shard,
              "optimizer": 8 * trained / shard, "activations": activations,
              "logprobs": micro_batch * completion_len * H * 4 + min(CHUNK_TOKENS, micro_batch * completion_len) *
-             config.vocab_size * 4 * 3,
+             config.vocab_size * 4 * 2,
              "scratch": 4 * trained / shard if cuda else 4 * config.vocab_size * config.hidden_size}
     parts["total"] = sum(parts.values())
     return parts
