@@ -150,3 +150,22 @@ def test_a_call_writes_only_its_own_tmp():
             "print(sorted(os.listdir('/tmp')), os.getcwd())")
     with PythonSandbox(num_workers=1) as sandbox:
         assert sandbox.run([code]) == [("['a', 'b', 'c', 'd', 'e'] /tmp\n", "")]
+
+
+def test_a_call_that_trickles_into_its_pipe_costs_the_trainer_nothing():
+    """The trainer reads a call's pipe once (an honest answer is whole) and else waits for the call's end: a call
+    that writes its pipe a byte at a time, or floods it, wakes the trainer twice, not once a byte. An answer larger
+    than the pipe is cut to fit it (the child never waits on the trainer)."""
+    import resource
+
+    trickle = ("import os\nfor fd in range(3, 64):\n    try:\n        os.fstat(fd)\n        break\n"  # its pipe
+               "    except OSError:\n        pass\nwhile True:\n    os.write(fd, b'x')\n")
+    with PythonSandbox(num_workers=2, timeout=2.0) as sandbox:
+        start = resource.getrusage(resource.RUSAGE_SELF)
+        results = sandbox.run([trickle, trickle.replace("b'x'", "b'x' * 65536")])
+        end = resource.getrusage(resource.RUSAGE_SELF)
+    assert all("TimeoutError" in error for _, error in results), results
+    assert end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime < 0.5
+    with PythonSandbox(num_workers=1, max_output_chars=200_000) as sandbox:
+        (output, error), = sandbox.run(["print('é' * 300_000)"])
+    assert not error and 10_000 < len(output) <= 200_001 and set(output) == {"é"}, (len(output), error)

@@ -299,20 +299,22 @@ def test_4_nothing_a_call_leaves_reaches_a_later_or_concurrent_call(left_behind,
 
 def test_4_a_call_cannot_fill_memory_through_shm_or_tmp():
     """/dev/shm (the machine's fills RAM at gigabytes a second) is the call's private /tmp of TMP_MB: filling it stops
-    there, and SysV shared memory (outside the address-space limit) is refused."""
+    there; SysV shared memory and memfds (memory outside the address-space limit) are refused."""
     code = ("import ctypes, os\ntotal = 0\ntry:\n    for i in range(256):\n"
             "        with open(f'/dev/shm/f{i}', 'wb') as f:\n            f.write(b'x' * 2**20)\n        total += 1\n"
             "except OSError as e:\n    print(e.strerror)\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "segment = libc.shmget(0, 256 << 20, 0o1600)\n"  # IPC_PRIVATE; removed at once where it is not refused
-            "print(total, segment < 0 or libc.shmctl(segment, 0, None) and False)")
+            "print(total, segment < 0 or libc.shmctl(segment, 0, None) and False)\n"
+            "try:\n    os.memfd_create('x')\n    print('memfd')\nexcept OSError:\n    print('no memfd')")
     try:
         (output, error), = run([code], timeout=10.0)
     finally:
         for i in range(256):
             with contextlib.suppress(OSError):
                 os.remove(f"/dev/shm/f{i}")
-    assert not error and output.startswith("No space left on device"), output
-    assert int(output.split()[-2]) <= TMP_MB and output.split()[-1] == "True", output
+    lines = output.splitlines()
+    assert not error and lines[0] == "No space left on device" and lines[2] == "no memfd", output
+    assert int(lines[1].split()[0]) <= TMP_MB and lines[1].split()[1] == "True", output
 
 
 # ---- (5) loopback network -----------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ is a way out), read what their view holds, use CPU, memory and time up to their 
 import contextlib
 import ctypes
 import errno
+import fcntl
 import gc
 import importlib
 import io
@@ -143,6 +144,7 @@ _LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEX
                  (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21))  # kept on a remount
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME = 1, 4, 15
 PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 22, 24, 38
+F_GETPIPE_SZ = 1032
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -159,8 +161,8 @@ _UMOUNT2 = _function("umount2", ctypes.c_char_p, ctypes.c_int)
 _PRCTL = _function("prctl", ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
 _CAPSET = _function("capset", ctypes.c_void_p, ctypes.c_void_p)
 
-# The system-call filter refuses (EPERM) kernel keyrings and SysV/POSIX message IPC (state that could outlive a call,
-# memory outside its limits), other processes' memory, mounts and namespaces other than those its sandbox process
+# The system-call filter refuses (EPERM) kernel keyrings and SysV/POSIX IPC (state that could outlive a call), memfds
+# (memory outside its limits), other processes' memory, mounts and namespaces other than those its sandbox process
 # makes (no user namespace: a call never gets capabilities back), sockets but Unix, IPv4 and IPv6 ones (vsock and
 # netlink-like families are not confined by a network namespace), and kernel interfaces no tool needs.
 _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl",
@@ -170,10 +172,11 @@ _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shm
            "fsconfig", "fsmount", "fspick", "mount_setattr", "perf_event_open", "bpf", "userfaultfd",
            "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load", "kexec_file_load", "init_module",
            "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog", "vhangup", "quotactl",
-           "lookup_dcookie", "name_to_handle_at", "open_by_handle_at", "fanotify_init", "personality")
+           "lookup_dcookie", "name_to_handle_at", "open_by_handle_at", "fanotify_init", "personality", "memfd_create",
+           "memfd_secret")
 _NEW_SYSCALLS = dict(io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
                      fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435, pidfd_getfd=438,
-                     mount_setattr=442)  # the same number on every architecture
+                     mount_setattr=442, memfd_secret=447)  # the same number on every architecture
 _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
     "x86_64": (0xC000003E, dict(
         keyctl=250, add_key=248, request_key=249, shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65,
@@ -183,7 +186,7 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
         pivot_root=155, chroot=161, perf_event_open=298, bpf=321, userfaultfd=323, kexec_load=246,
         kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
         swapoff=168, acct=163, syslog=103, vhangup=153, quotactl=179, lookup_dcookie=212, name_to_handle_at=303,
-        open_by_handle_at=304, fanotify_init=300, personality=135, **_NEW_SYSCALLS)),
+        open_by_handle_at=304, fanotify_init=300, personality=135, memfd_create=319, **_NEW_SYSCALLS)),
     "aarch64": (0xC00000B7, dict(
         keyctl=219, add_key=217, request_key=218, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
         semctl=191, semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
@@ -192,7 +195,7 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
         pivot_root=41, chroot=51, perf_event_open=241, bpf=280, userfaultfd=282, kexec_load=104, kexec_file_load=294,
         init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224, swapoff=225, acct=89,
         syslog=116, vhangup=58, quotactl=60, lookup_dcookie=18, name_to_handle_at=264, open_by_handle_at=265,
-        fanotify_init=262, personality=92, **_NEW_SYSCALLS)),
+        fanotify_init=262, personality=92, memfd_create=279, **_NEW_SYSCALLS)),
 }
 SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 
@@ -283,7 +286,7 @@ def _fresh_keyrings():
 SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # read-only in a call's view
 DEVICES = ("null", "zero", "full", "random", "urandom")
 TMP_MB, TMP_FILES = 16, 4096  # a call's private /tmp (also /dev/shm, /var/tmp, /run/lock): its only writable space
-MAX_OPEN_FILES = 128
+MAX_OPEN_FILES = 64  # each may hold kernel memory outside the address-space limit (a pipe, a socket's buffers)
 UID_BASE = 2_000_000_000  # a root trainer's calls run as UID_BASE + their sandbox process's pid: a user of their own
 LACKS = {  # what a call's world is without each mechanism, said once at start when the mechanism is not available
     "user namespace": "user namespaces (a non-root trainer needs one for every other namespace)",
@@ -569,8 +572,8 @@ def _serve(channel_fd, config):
 def _serve_calls(world, channel, max_chars, timeout):
     """The loop of a sandbox process, until the trainer closes the channel. A message "c" brings a call's code (a
     memfd) and the write end of its result pipe: a child forked for the call reads the code and writes the result,
-    and this process, which reads neither, kills the child at its time limit, or on a message "k", or when the next
-    call comes while it still runs (it closed its pipe early: the trainer has its answer). Calls run one at a time.
+    and this process, which reads neither, kills the child at its time limit, or when the next call comes while it
+    still runs (it closed its pipe early: the trainer has its answer). Calls run one at a time.
     Once a child has ended, its status goes to the trainer: "s" + timeout, signal N, exit code N or not started, one
     message per call, in order."""
     name = ctypes.create_string_buffer(b"tool-sandbox")  # in ps and top: this process and its calls' children
@@ -608,10 +611,9 @@ def _serve_calls(world, channel, max_chars, timeout):
             message, fds = b"", []
         if not message:
             return  # the trainer closed the channel
-        if message in (b"k", b"c") and call:
-            os.kill(call[0], signal.SIGKILL)
         if message == b"c":
-            if call:
+            if call:  # it closed its pipe early and runs on: the trainer has its answer
+                os.kill(call[0], signal.SIGKILL)
                 end(block=True)
             try:
                 if len(fds) != 2:
@@ -647,9 +649,10 @@ def _start_call(world, code_fd, result_fd, max_chars, timeout):
 
 
 def _own_call(world, code, max_chars, timeout):
-    """A call of the sandbox process's own (its test calls at start), run as any other."""
-    code_fd = os.memfd_create("tool-call")
-    os.write(code_fd, code.encode())
+    """A call of the sandbox process's own (its test calls at start), run as any other (its code in a pipe)."""
+    code_fd, code_write = os.pipe()
+    os.write(code_write, code.encode())
+    os.close(code_write)
     read_end, write_end = os.pipe()
     pid, folder = _start_call(world, code_fd, write_end, max_chars, timeout)
     os.close(code_fd)
@@ -682,7 +685,10 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
             return  # its sandbox process died before the line above: nothing may outlive it
         signal.set_wakeup_fd(-1)
         os.setsid()  # kill(0, ...) reaches this process only
-        code = os.pread(code_fd, os.fstat(code_fd).st_size, 0).decode("utf-8", "surrogatepass")
+        code = b""
+        while chunk := os.read(code_fd, 1 << 16):
+            code += chunk
+        code = code.decode("utf-8", "surrogatepass")
         if world.flags:
             _unshare(world.flags)
         if world.view:
@@ -717,7 +723,12 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
             exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
         error = traceback.format_exception_only(type(e), e)[-1].strip()
-    data = json.dumps([stdout.getvalue(), error[:max_chars]]).encode()  # the trainer cleans what it reads
+    output, error = stdout.getvalue(), error[:max_chars]
+    encode = lambda: json.dumps([output, error], ensure_ascii=False).encode("utf-8", "surrogatepass")  # noqa: E731
+    data, room = encode(), fcntl.fcntl(result_fd, F_GETPIPE_SZ)
+    while len(data) > room:  # the whole answer fits its pipe: it never waits on the trainer
+        output, error = (output[:len(output) // 2], error) if output else ("", error[:len(error) // 2])
+        data = encode()  # the trainer cleans what it reads
     with contextlib.suppress(OSError):
         while data:
             data = data[os.write(result_fd, data):]
@@ -745,7 +756,7 @@ def _clean(text):
 def _answer(data, max_chars):
     """(output, error) from a child's answer, or None where it is none (not JSON: junk, cut, or nothing)."""
     try:
-        output, error = json.loads(data)
+        output, error = json.loads(data.decode("utf-8", "surrogatepass"))
         return _clean(output)[:max_chars + 1], _clean(error)[:max_chars]
     except Exception:  # noqa: BLE001
         return None
@@ -784,6 +795,7 @@ class PythonSandbox:
     def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=(),
                  _without=()):
         self.timeout, self.max_chars = timeout, max_output_chars
+        self.cap = 32 * max_output_chars + 1024  # bytes of a child's answer at most (12 a character at worst)
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
         os.chmod(self.folder, 0o711)
         hidden = [ROOT, os.getcwd(), os.path.expanduser("~")]  # never in a call's view, even inside a bound folder
@@ -831,7 +843,7 @@ class PythonSandbox:
         """Give sandbox process k a call: the code in a memfd, the write end of a new result pipe. Returns the read
         end, or None where the process cannot take it (it died, or stopped with its channel full)."""
         process = self.processes[k]
-        self._statuses(k, None)  # those of its calls answered before: its channel never fills
+        self._statuses(k)  # those of its calls answered before: its channel never fills
         if process.dead:
             return None
         code_fd, (read_end, write_end) = os.memfd_create("tool-call", os.MFD_CLOEXEC), os.pipe()
@@ -839,6 +851,11 @@ class PythonSandbox:
             data = code.encode("utf-8", "surrogatepass")
             while data:
                 data = data[os.write(code_fd, data):]
+            os.lseek(code_fd, 0, os.SEEK_SET)  # the child reads it from the start
+            for size in (self.cap, 1 << 20) if self.cap > 65536 else ():  # room for the whole answer (else it is cut)
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, size)
+                    break
             socket.send_fds(process.channel, [b"c"], [code_fd, write_end], socket.MSG_DONTWAIT)
         except OSError:
             os.close(read_end)
@@ -850,12 +867,14 @@ class PythonSandbox:
         return read_end
 
     def run(self, codes):
-        """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success."""
+        """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success.
+        A call's answer is taken from its pipe's first read where it is whole (an honest child writes it at once),
+        else once its sandbox process says the child ended: a call that writes a byte at a time wakes the trainer
+        twice, not once a byte."""
         results = [("", f"the code is over {MAX_CODE_CHARS} characters and was not run") if len(code) > MAX_CODE_CHARS
                    else None for code in codes]
         todo = [i for i in reversed(range(len(codes))) if results[i] is None]
-        cap = 32 * self.max_chars + 1024  # the child's answer is at most ~24 bytes a character; a flood is cut
-        busy = {}  # a process's index -> its call: [index, backstop deadline, read end, bytes, its number, flooded]
+        busy = {}  # a process's index -> its call: [index, backstop deadline, read end, its number, ended, first read]
         while todo or busy:
             for k in range(len(self.processes)):
                 while k not in busy and todo:
@@ -865,45 +884,34 @@ class PythonSandbox:
                         results[i] = ("", "the sandbox process died or stopped answering; it was replaced")
                         self._replace(k)
                     else:  # a backstop: each call is timed by its sandbox process; the slack covers a replacement
-                        busy[k] = [i, time.monotonic() + self.timeout + 10, read_end, bytearray(),
-                                   self.processes[k].sent - 1, False]
+                        busy[k] = [i, time.monotonic() + self.timeout + 10, read_end, self.processes[k].sent - 1, False]
             wait = max(0.0, min(call[1] for call in busy.values()) - time.monotonic())
-            readable = select.select([call[2] for call in busy.values()], [], [], wait)[0]
+            waits = {call[2] if not call[4] else self.processes[k].channel: k for k, call in busy.items()}
+            for ready in select.select(list(waits), [], [], wait)[0]:
+                k = waits[ready]
+                call = busy[k]
+                if not call[4]:  # its first read
+                    call.append(os.read(call[2], self.cap + 1))
+                    results[call[0]] = _answer(call[5], self.max_chars)
+                    call[4] = results[call[0]] is None  # not whole: wait for its end
+                else:
+                    status = self._statuses(k, call[3])
+                    if status is not None or self.processes[k].dead:
+                        results[call[0]] = self._ended(k, call, status)
             for k, call in list(busy.items()):
-                if call[2] in readable:
-                    chunk = os.read(call[2], 65536)
-                    if chunk and not call[5]:
-                        call[3] += chunk
-                        answer = _answer(call[3], self.max_chars)  # whole: the trainer need not wait for the end
-                        if answer is not None:
-                            results[call[0]] = answer
-                        elif len(call[3]) > cap:  # a flood: the call is killed, what it wrote dropped
-                            call[5] = True
-                            with contextlib.suppress(OSError):
-                                self.processes[k].channel.send(b"k", socket.MSG_DONTWAIT)
-                            continue
-                        else:
-                            continue
-                    elif chunk:
-                        continue
-                    else:
-                        results[call[0]] = self._ended(k, call)
-                elif time.monotonic() >= call[1]:  # no end of its pipe: the process stopped answering
+                if results[call[0]] is None and time.monotonic() >= call[1]:  # the process stopped answering
                     results[call[0]] = ("", "the sandbox process died or stopped answering; it was replaced")
                     self._replace(k)
-                else:
-                    continue
-                os.close(call[2])
-                del busy[k]
+                if results[call[0]] is not None:
+                    os.close(call[2])
+                    del busy[k]
         return results
 
-    def _statuses(self, k, wanted, deadline=0.0):
-        """Read process k's status messages (one per call, in order, once the call's child has ended), waiting until
-        deadline for that of call number `wanted` (None: only those already sent). Returns its status, or None."""
+    def _statuses(self, k, wanted=None):
+        """Read process k's status messages sent so far (one per call, in order, once the call's child has ended).
+        Returns that of call number `wanted`, or None."""
         process = self.processes[k]
-        while not process.dead and (wanted is None or process.received <= wanted):
-            if not select.select([process.channel], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                break
+        while not process.dead and select.select([process.channel], [], [], 0)[0]:
             try:
                 message = process.channel.recv(256)
             except OSError:
@@ -913,15 +921,20 @@ class PythonSandbox:
                 break
             process.status = (process.received, message[1:].decode("utf-8", "replace"))
             process.received += 1
-        return process.status[1] if wanted is not None and process.status[0] == wanted else None
+        return process.status[1] if process.status[0] == wanted else None
 
-    def _ended(self, k, call):
-        """(output, error) of a call whose pipe ended without an answer: what its status says."""
-        status = self._statuses(k, call[4], call[1])
-        if status is None:  # the process died mid-call (its child with it), or stopped answering
+    def _ended(self, k, call, status):
+        """(output, error) of a call whose child ended: what the child left in its pipe (read without waiting, at most
+        `cap` bytes), else what its status says."""
+        if status is None:  # the process died mid-call (its child with it)
             self._replace(k)
             return "", "the sandbox process died or stopped answering; it was replaced"
-        return _outcome(b"", status, self.max_chars, self.timeout)
+        os.set_blocking(call[2], False)
+        data = call[5]  # its first read
+        with contextlib.suppress(BlockingIOError):
+            while len(data) <= self.cap and (chunk := os.read(call[2], self.cap + 1 - len(data))):
+                data += chunk
+        return _outcome(data, status, self.max_chars, self.timeout)
 
     def _replace(self, k):
         self._stop(self.processes[k])
