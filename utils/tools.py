@@ -555,17 +555,17 @@ def _serve(channel_fd, config):
         with contextlib.suppress(OSError):  # a call's child of the same user cannot reach this process's memory
             _prctl(PR_SET_DUMPABLE, 0)
     except BaseException as e:  # noqa: BLE001 - e.g. a module that cannot be imported: the sandbox stops
-        return channel.send(json.dumps([f"{type(e).__name__}: {e}", ""]).encode())
+        return channel.send(json.dumps([f"{type(e).__name__}: {e}", "", []]).encode())
     test = _own_call(world, "print(6 * 7)", max_chars, timeout)
     if test != ("42\n", ""):  # a child that cannot take its limits or user never runs a call: the run stops
-        return channel.send(json.dumps([f"a test call gave {test}", ""]).encode())
+        return channel.send(json.dumps([f"a test call gave {test}", "", []]).encode())
     readable = _own_call(world, "import sys\n__import__(next(name for name in ('colorsys', 'tabnanny', 'netrc', "
                                 "'wave') if name not in sys.modules))", max_chars, timeout) == ("", "")
     warnings = [world.warning()] if world.lacks else []
     if not readable:
         warnings.append(f"the sandbox's user cannot read the Python installation ({sys.prefix}): a tool call can "
                         "import only the sandbox's modules and what they import at start")
-    channel.send(json.dumps(["", "; ".join(warnings)]).encode())
+    channel.send(json.dumps(["", "; ".join(warnings), world.lacks]).encode())
     _serve_calls(world, channel, max_chars, timeout)
 
 
@@ -788,8 +788,8 @@ class PythonSandbox:
         with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
             results = sandbox.run(["print(6 * 7)", "while True: pass"])   # [("42\\n", ""), ("", "TimeoutError: ...")]
 
-    `warning` says in one line what the calls' world lacks on this machine ("" when nothing). `_without` (tests)
-    leaves mechanisms out, by their names in LACKS.
+    `warning` says in one line what the calls' world lacks on this machine ("" when nothing), `lacks` the names of
+    those mechanisms (keys of LACKS). `_without` (tests) leaves mechanisms out by those names.
     """
 
     def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=(),
@@ -801,7 +801,7 @@ class PythonSandbox:
         hidden = [ROOT, os.getcwd(), os.path.expanduser("~")]  # never in a call's view, even inside a bound folder
         self.config = json.dumps([list(modules), memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout,
                                   self.folder, hidden, list(_without)])
-        self.warning, self.processes = "", []
+        self.warning, self.lacks, self.processes = "", [], []
         try:
             for _ in range(max(1, num_workers)):
                 self.processes.append(self._start())
@@ -828,14 +828,15 @@ class PythonSandbox:
         return process
 
     def _ready(self, process):
-        """Wait for a new sandbox process's first answer (["", warning] once its limits hold); keep its warning."""
+        """Wait for a new sandbox process's first answer (["", warning, lacks] once its limits hold); keep its
+        warning and the names of the mechanisms it lacks."""
         answer = None
         if select.select([process.channel], [], [], 60)[0]:
             with contextlib.suppress(Exception):
-                why, warning = json.loads(process.channel.recv(1 << 16))
-                answer = (str(why), str(warning))
-        why, self.warning = answer or (
-            "it ended before it was ready" if process.poll() is not None else "it did not start within 60 s", "")
+                why, warning, lacks = json.loads(process.channel.recv(1 << 16))
+                answer = (str(why), str(warning), list(lacks))
+        why, self.warning, self.lacks = answer or (
+            "it ended before it was ready" if process.poll() is not None else "it did not start within 60 s", "", [])
         if why:
             raise RuntimeError(f"the Python sandbox could not start: {why}")
 
