@@ -440,6 +440,57 @@ def test_5_a_call_reaches_no_service_of_the_machine(network, lacks, route):
     assert "reached" not in line, output
 
 
+NET_LEAVE = """
+import fcntl, socket, struct, time
+held = []
+for family, kind, address in ((socket.AF_UNIX, socket.SOCK_STREAM, '\\0tinyrl-left-behind'),
+                              (socket.AF_INET, socket.SOCK_STREAM, ('0.0.0.0', 5556)),
+                              (socket.AF_INET, socket.SOCK_DGRAM, ('0.0.0.0', 5555))):
+    s = socket.socket(family, kind)
+    s.bind(address)
+    if kind == socket.SOCK_STREAM:
+        s.listen()
+    held.append(s)
+try:  # bring the loopback up: SIOCSIFFLAGS with IFF_UP
+    fcntl.ioctl(socket.socket(), 0x8914, struct.pack('16sh', b'lo', 1 | 8))
+    print('up')
+except OSError as e:
+    print(type(e).__name__)
+time.sleep(HOLD)
+"""
+NET_FIND = """
+import fcntl, socket, struct, time
+time.sleep(WAIT)
+found = []
+for what, family, kind, address in (('abstract', socket.AF_UNIX, socket.SOCK_STREAM, '\\0tinyrl-left-behind'),
+                                    ('tcp', socket.AF_INET, socket.SOCK_STREAM, ('127.0.0.1', 5556))):
+    try:
+        socket.socket(family, kind).connect(address)
+        found.append(what)
+    except OSError:
+        pass
+for what, family, kind, address in (('abstract name', socket.AF_UNIX, socket.SOCK_STREAM, '\\0tinyrl-left-behind'),
+                                    ('udp port', socket.AF_INET, socket.SOCK_DGRAM, ('0.0.0.0', 5555))):
+    try:
+        socket.socket(family, kind).bind(address)
+    except OSError:
+        found.append(what)  # still taken
+flags = struct.unpack('16sh', fcntl.ioctl(socket.socket(), 0x8913, struct.pack('16sh', b'lo', 0)))[1]
+print(found + ['loopback up'] * (flags & 1))
+"""
+
+
+def test_5_nothing_of_a_call_stays_in_its_network(lacks):
+    """A call's sockets (an abstract Unix socket, TCP and UDP ports) are gone for the next call of the same sandbox
+    process, which shares its network namespace, and were never seen by a concurrent call of another; the call
+    cannot bring the loopback up."""
+    require(lacks, "net")
+    with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
+        left, during = sandbox.run([NET_LEAVE.replace("HOLD", "1"), NET_FIND.replace("WAIT", "0.5")])
+        assert left == ("PermissionError\n", "") and during == ("[]\n", ""), (left, during)
+        assert sandbox.run([NET_FIND.replace("WAIT", "0")] * 2) == [("[]\n", "")] * 2
+
+
 # ---- (6) cleanup --------------------------------------------------------------------------------------------------
 
 TREES = {
