@@ -21,8 +21,8 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox process, so no
   child holds another call's data.
 - A call's child is the first process of fresh PID, mount, IPC and UTS namespaces, in its sandbox process's network
-  namespace (no running call shares it; nothing of a call survives there: NETWORK): it sees no other process (and can
-  signal none), no network but a loopback that is down, and a read-only view of /usr, /bin, /lib*, the Python
+  namespace (its calls run one at a time, and nothing of a call survives there: NETWORK): it sees no other process
+  (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin, /lib*, the Python
   installation and five devices, with a private tmpfs of TMP_MB and TMP_FILES at /tmp (/dev/shm, /var/tmp and
   /run/lock point to it) that the kernel frees with the call, whatever is in it. The checkout, the run folders,
   $HOME, /etc, /proc and /sys are not there.
@@ -30,8 +30,9 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   trainer's calls run as its user, in a user namespace, without capabilities.
 - Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), timeout + 2 s of CPU, MAX_OPEN_FILES, and
   a kill past `timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge integer power).
-- A system-call filter (seccomp) refuses keyrings, SysV and POSIX message IPC, ptrace and other processes' memory,
-  new user namespaces, mounts, sockets but Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs.
+- A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
+  processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
+  Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs.
 - The answer is capped, valid UTF-8, without control characters but newline and tab; the trainer tokenizes it as
   plain text (tool_output_ids: special-token text such as <|im_end|> stays text).
 
@@ -145,7 +146,7 @@ _LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEX
                  (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21))  # kept on a remount
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME = 1, 4, 15
 PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 22, 24, 38
-F_GETPIPE_SZ = 1032
+F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032  # fcntl has them from Python 3.10
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -477,7 +478,10 @@ class _World:
             _, status = os.waitpid(pid, 0)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        self.pid_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)  # before the view, which has no /proc
+        try:
+            self.pid_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)  # before the view, which has no /proc
+        except OSError:
+            return None
         if not _probe(lambda: (self.new_pid_namespace(), os.waitpid(os.fork() or os._exit(0), 0),
                                self.new_pid_namespace(), os.waitpid(os.fork() or os._exit(0), 0))):
             os.close(self.pid_fd)
@@ -867,7 +871,7 @@ class PythonSandbox:
             os.lseek(code_fd, 0, os.SEEK_SET)  # the child reads it from the start
             for size in (self.cap, 1 << 20) if self.cap > 65536 else ():  # room for the whole answer (else it is cut)
                 with contextlib.suppress(OSError):
-                    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, size)
+                    fcntl.fcntl(write_end, F_SETPIPE_SZ, size)
                     break
             socket.send_fds(process.channel, [b"c"], [code_fd, write_end], socket.MSG_DONTWAIT)
         except OSError:
