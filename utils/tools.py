@@ -707,6 +707,8 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
         code = code.decode("utf-8", "surrogatepass")
         if world.flags:
             _unshare(world.flags)
+        if world.flags & CLONE_NEWUTS:
+            socket.sethostname("sandbox")  # not the machine's name
         if world.view:
             world.mount_tmp()
             os.chdir("/tmp")
