@@ -1,10 +1,8 @@
-"""grpo_tools.py: the sandbox survives hostile code, the HF decode loop stops at the tool's stop string, tool output is
-in the context but out of the gradient, a rollout's turns are laid out as the model and the tool produced them, and
-the script runs end to end with 2 processes and resumes."""
+"""grpo_tools.py: the HF decode loop stops at the tool's stop string, tool output is in the context but out of the
+gradient, a rollout's turns are laid out as the model and the tool produced them, and the script runs end to end with
+2 processes and resumes. The sandbox itself: test_sandbox.py and test_sandbox_attacks.py."""
 
 import os
-import subprocess
-import time
 
 import pytest
 import torch
@@ -15,78 +13,6 @@ from utils.batch import Batch, make_batch, micro_batches
 from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
-SIGNAL_PARENT = "PermissionError" if os.getuid() == 0 else "died or stopped answering"  # a root trainer's: nobody
-HOSTILE = {  # each costs its call an error message, and the run nothing
-    "infinite loop": ("while True:\n    pass", "TimeoutError"),
-    "fork bomb": ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),
-    "subprocess": ("import subprocess\nsubprocess.run(['true'])", "BlockingIOError"),
-    "memory bomb": ("x = bytearray(8 * 2**30)", "MemoryError"),
-    "huge print": ("print('x' * 10**7)", ""),  # capped, not an error
-    "print loop": ("while True:\n    print('x' * 1000)", "TimeoutError"),
-    "big file": ("open('f', 'w').write('x' * 10**8)", "File too large"),
-    "C-level hang": ("import re\nre.match(r'(a+)+$', 'a' * 64 + 'b')", "TimeoutError"),  # no signal stops it
-    "exit": ("raise SystemExit(3)", "SystemExit: 3"),
-    "segfault": ("import ctypes\nctypes.string_at(0)", "without a result (signal 11)"),
-    "every pipe": ("import os\nfor fd in range(1024):\n    try:\n        os.write(fd, b'junk')\n    except OSError:\n"
-                   "        pass", "without a result"),  # only its own result pipe gets the junk
-    "kill the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", SIGNAL_PARENT),
-    "stop the sandbox": ("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)", SIGNAL_PARENT),
-    "outlive the sandbox": ("import ctypes, os, signal\nctypes.CDLL(None).prctl(1, 0)\n"  # no parent-death signal
-                            "os.kill(os.getppid(), signal.SIGKILL)\nwhile True:\n    pass", SIGNAL_PARENT),
-    "lone surrogate": ("print('\\ud800')", ""),  # escaped: the tokenizer would raise on it
-    "deep folders": ("import os\nwhile True:\n    os.mkdir('d')\n    os.chdir('d')", "TimeoutError"),  # rm -rf
-    "huge code": ("#" * 60_000, "over 50000 characters"),
-    "syntax": ("print(1", "SyntaxError"),
-}
-
-
-def test_the_sandbox_survives_hostile_code(tmp_path):
-    before = set(os.listdir(tmp_path))
-    cwd = os.getcwd()
-    os.chdir(tmp_path)  # a relative write must not land in the trainer's folder
-    try:
-        with PythonSandbox(num_workers=2, timeout=1.0, max_output_chars=100) as sandbox:
-            start = time.time()
-            results = sandbox.run([code for code, _ in HOSTILE.values()] + ["open('g', 'w').write('x')\nprint(6 * 7)"])
-            elapsed = time.time() - start
-            for (name, (_, expected)), (output, error) in zip(HOSTILE.items(), results):
-                assert expected in error if expected else not error, (name, output, error)
-            assert results[4][0] == "x" * 101  # the huge print: capped at max_output_chars (+1 to show the cut)
-            assert results[list(HOSTILE).index("lone surrogate")][0] == "\\ud800\n"
-            "".join(text for result in results for text in result).encode()  # valid UTF-8 throughout (or it raises)
-            assert results[-1] == ("42\n", "")  # writing a small file in its own folder works
-            assert sandbox.run(["import os\nprint(os.listdir('.'))"]) == [("[]\n", "")]  # a fresh folder per call
-            assert sandbox.run(["print(sum(range(10)))"] * 8) == [("45\n", "")] * 8  # killed processes were replaced
-            assert elapsed < 40  # five 1 s time-outs (11 s where a stopped sandbox process must be replaced), no hang
-    finally:
-        os.chdir(cwd)
-    assert not os.path.exists(sandbox.folder)  # the calls' folders, a tree too deep for shutil.rmtree among them
-    assert set(os.listdir(tmp_path)) == before
-    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
-    assert len(children) <= 2, children  # no orphans of the fork bomb (the reward/forkserver helpers at most)
-
-
-def test_a_call_cannot_change_what_the_next_call_sees():
-    """Each call runs in a child forked for it: one completion's code that replaces print, lowers the recursion limit
-    or changes a module leaves the next call on the same process as it was."""
-    tamper = ["import builtins\nbuiltins.print = lambda *a, **k: None", "import sys\nsys.setrecursionlimit(40)",
-              "import math\nmath.pi = 3"]
-    with PythonSandbox(num_workers=1, timeout=5.0) as sandbox:
-        assert sandbox.run(tamper) == [("", "")] * 3
-        check = "import math\ndef f(n):\n    return n and f(n - 1)\nprint(f(100), math.pi)"
-        assert sandbox.run([check]) == [("0 3.141592653589793\n", "")]
-
-
-def test_the_sandbox_imports_its_modules_before_it_drops_privileges():
-    """A root trainer's sandbox runs as nobody, who may not read the Python installation (/root is often 0700): the
-    modules imported at start are importable in every call; a module that cannot be imported stops the start."""
-    with PythonSandbox(num_workers=1, modules=("fractions", "sympy")) as sandbox:
-        assert sandbox.run(["import fractions, sympy\nprint(fractions.Fraction(2, 6), sympy.factorint(12))"]) == [
-            ("1/3 {2: 2, 3: 1}\n", "")]
-        unreadable = sandbox.run(["import tabnanny"])[0][1] != ""  # a module it did not import at start
-        assert bool(sandbox.warning) == unreadable, sandbox.warning  # said once at start, where it is so
-    with pytest.raises(RuntimeError, match="could not start: ModuleNotFoundError"):
-        PythonSandbox(num_workers=1, modules=("no_such_module",))
 
 
 def test_code_and_output_blocks():

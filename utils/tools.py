@@ -11,35 +11,54 @@ runs, and the environment appends its output (capped) as an ```output block, aft
     29842
     ```
 
-Model output is untrusted input, so the code never runs in the trainer. It runs under `num_workers` sandbox
-processes: fresh interpreters (not forks of the trainer, so they hold no torch and fork in milliseconds) that import
-`modules` at start, each with an address-space limit, a file-size limit and stdout/stderr sent to /dev/null. Each
-call runs in a child that a sandbox process forks for it, so nothing one completion's code does (replacing `print`,
-changing a module) reaches another completion's call. The child of a root trainer becomes the unprivileged user
-`nobody` (it can then signal no root process; root would ignore the process limit below). It keeps no inherited file
-but its result pipe, may not start processes or threads (RLIMIT_NPROC 0: no fork bomb, no orphans), has timeout + 2 s
-of CPU, runs the code as a script in a fresh empty folder (deleted afterwards), and is killed once it runs past
-`timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge integer power). A sandbox
-process that dies or stops answering is replaced. Where nobody cannot read the Python installation (Python under
-/root, mode 0700), a call can import only what its sandbox process imported: `modules` and what they import at start
-(numpy.random or sympy's solve, loaded lazily, then fail; list them in `modules`). Every failure becomes the call's
-output, an error message the model reads, and never stops the run. What this is not: a security boundary against a
-deliberate attacker (the code can read files the user can, fill /tmp or /dev/shm with many files, open network
-connections, and under a non-root trainer signal the trainer); for that, run the code in a container or a VM (e.g.
-nsjail, gVisor, E2B).
+Model output is untrusted input, and under RL the policy finds whatever route a sandbox leaves open; some pay (a call
+that kills or freezes its group-mates' calls raises its own advantage). So each call runs in a world of its own, made
+of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests on):
+
+- `num_workers` sandbox processes: fresh interpreters started isolated (python -I: no current folder or user site on
+  sys.path, PYTHON* variables ignored; an empty environment), never forks of the trainer, so they hold none of its
+  data or secrets. Each imports `modules` and builds the calls' view once, then only forks: a call's code reaches its
+  child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox process, so no
+  child holds another call's data.
+- A call's child is the first process of fresh PID, mount, IPC and UTS namespaces, in its sandbox process's network
+  namespace (its calls run one at a time, and nothing of a call survives there: NETWORK): it sees no other process
+  (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin, /lib*, the Python
+  installation and five devices, with a private tmpfs of TMP_MB and TMP_FILES at /tmp (/dev/shm, /var/tmp and
+  /run/lock point to it) that the kernel frees with the call, whatever is in it. The checkout, the run folders,
+  $HOME, /etc, /proc and /sys are not there.
+- A root trainer's call runs as a user no other running call has (UID_BASE + its sandbox process's pid); a non-root
+  trainer's calls run as its user, in a user namespace, without capabilities.
+- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), timeout + 2 s of CPU, MAX_OPEN_FILES, and
+  a kill past `timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge integer power).
+- A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
+  processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
+  Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs.
+- The answer is capped, valid UTF-8, without control characters but newline and tab; the trainer tokenizes it as
+  plain text (tool_output_ids: special-token text such as <|im_end|> stays text).
+
+Every failure becomes the call's output, an error line the model reads, and never stops the run. Where the machine
+lacks a mechanism (a non-root trainer without user namespaces, a container that forbids namespaces, an architecture
+without a system-call table here), the sandbox runs without it and `PythonSandbox.warning` says so in one line, which
+grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the machine's kernel (a kernel bug
+is a way out), read what their view holds, use CPU, memory and time up to their limits, and can observe timing.
 """
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import gc
 import importlib
 import io
 import json
 import os
+import platform
+import re
 import resource
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +71,7 @@ TOOL_STOP = "\n```\n"  # a fence alone on its line: the end of a code block, whe
 CODE_FENCE = "```python"
 MAX_CODE_CHARS = 50_000  # a model turn's code is far shorter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding utils/
-NOBODY = 65534  # the unprivileged user a root trainer's sandbox processes become
+NOBODY = 65534  # the unprivileged user of a root trainer's calls where no user of their own can be had
 TOOL_INSTRUCTION = ("Compute with Python when it helps: write a ```python block that prints what you need; it runs "
                     "when the block closes, and its output follows in an ```output block.")  # for chat models
 
@@ -79,7 +98,9 @@ def tool_output_ids(tokenizer, output, error, max_tokens):
     """The output block's tokens, which grpo_tools.py appends to the context: at most max_tokens, a long output halved
     until the block fits, its error line and closing fence kept (an error too long for the block is cut, the fence
     kept)."""
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    # plain text: special-token text a call prints ("<|im_end|>") stays text, never a control token in the context
+    encode = lambda text: tokenizer(text, add_special_tokens=False,  # noqa: E731
+                                    split_special_tokens=True)["input_ids"]
     chars = len(output)
     while True:
         ids = encode(output_block(output, error, chars))
@@ -113,6 +134,397 @@ def tool_metrics(completions, accuracy, tool_time, accelerator):
             "charts/accuracy_without_call": right_direct / (n - n_called) if n > n_called else nan}
 
 
+
+
+# ---- Linux mechanisms, through the C library ------------------------------------------------------------------------
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+_LOCKED_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
+                 (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21))  # kept on a remount
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME = 1, 4, 15
+PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 22, 24, 38
+F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032  # fcntl has them from Python 3.10
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _function(name, *argtypes):
+    function = getattr(_LIBC, name)
+    function.restype, function.argtypes = ctypes.c_int, argtypes
+    return function
+
+
+_UNSHARE = _function("unshare", ctypes.c_int)
+_SETNS = _function("setns", ctypes.c_int, ctypes.c_int)
+_MOUNT = _function("mount", ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_UMOUNT2 = _function("umount2", ctypes.c_char_p, ctypes.c_int)
+_PRCTL = _function("prctl", ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+_CAPSET = _function("capset", ctypes.c_void_p, ctypes.c_void_p)
+
+# The system-call filter refuses (EPERM) kernel keyrings and SysV/POSIX IPC (state that could outlive a call), memfds
+# (memory outside its limits), other processes' memory, mounts and namespaces other than those its sandbox process
+# makes (no user namespace: a call never gets capabilities back), sockets but Unix, IPv4 and IPv6 ones (vsock and
+# netlink-like families are not confined by a network namespace), and kernel interfaces no tool needs.
+_DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl",
+           "semtimedop", "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
+           "mq_timedreceive", "mq_notify", "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+           "pidfd_open", "pidfd_getfd", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen",
+           "fsconfig", "fsmount", "fspick", "mount_setattr", "perf_event_open", "bpf", "userfaultfd",
+           "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load", "kexec_file_load", "init_module",
+           "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog", "vhangup", "quotactl",
+           "lookup_dcookie", "name_to_handle_at", "open_by_handle_at", "fanotify_init", "personality", "memfd_create",
+           "memfd_secret")
+_NEW_SYSCALLS = dict(io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
+                     fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435, pidfd_getfd=438,
+                     mount_setattr=442, memfd_secret=447)  # the same number on every architecture
+_SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
+    "x86_64": (0xC000003E, dict(
+        keyctl=250, add_key=248, request_key=249, shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65,
+        semctl=66, semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241,
+        mq_timedsend=242, mq_timedreceive=243, mq_notify=244, mq_getsetattr=245, ptrace=101, process_vm_readv=310,
+        process_vm_writev=311, kcmp=312, unshare=272, clone=56, socket=41, socketpair=53, umount2=166,
+        pivot_root=155, chroot=161, perf_event_open=298, bpf=321, userfaultfd=323, kexec_load=246,
+        kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
+        swapoff=168, acct=163, syslog=103, vhangup=153, quotactl=179, lookup_dcookie=212, name_to_handle_at=303,
+        open_by_handle_at=304, fanotify_init=300, personality=135, memfd_create=319, **_NEW_SYSCALLS)),
+    "aarch64": (0xC00000B7, dict(
+        keyctl=219, add_key=217, request_key=218, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
+        semctl=191, semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
+        mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185, ptrace=117, process_vm_readv=270,
+        process_vm_writev=271, kcmp=272, unshare=97, clone=220, socket=198, socketpair=199, umount2=39,
+        pivot_root=41, chroot=51, perf_event_open=241, bpf=280, userfaultfd=282, kexec_load=104, kexec_file_load=294,
+        init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224, swapoff=225, acct=89,
+        syslog=116, vhangup=58, quotactl=60, lookup_dcookie=18, name_to_handle_at=264, open_by_handle_at=265,
+        fanotify_init=262, personality=92, memfd_create=279, **_NEW_SYSCALLS)),
+}
+SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
+
+
+def _check(result, what):
+    if result == -1:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def _unshare(flags):
+    _check(_UNSHARE(flags), "unshare")
+
+
+def _mount(source, target, fstype, flags, data=None):
+    encode = lambda text: None if text is None else os.fsencode(text)  # noqa: E731
+    _check(_MOUNT(encode(source), encode(target), encode(fstype), flags, encode(data)), f"mount {target}")
+
+
+def _prctl(option, arg=0, arg3=0):
+    _check(_PRCTL(option, arg, arg3, 0, 0), "prctl")
+
+
+def _syscall(name, *args):
+    number = _SYSCALLS[platform.machine()][1][name]
+    _check(_LIBC.syscall(ctypes.c_long(number), *[a if isinstance(a, bytes) else ctypes.c_long(a) for a in args]), name)
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _seccomp_program():
+    """The classic-BPF program of the system-call filter (see _DENIED), or None on an architecture without a table:
+    a call of another architecture kills the process; on x86_64 every x32 call is refused."""
+    if platform.machine() not in _SYSCALLS:
+        return None
+    arch, nr = _SYSCALLS[platform.machine()]
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm = 0x7FFF0000, 0x00050000 | errno.EPERM
+    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000), (load, 0, 0, 0)]  # wrong arch: kill
+    if platform.machine() == "x86_64":
+        program.append((jge, "deny", 0, 0x40000000))
+    program += [(jeq, "deny", 0, nr[name]) for name in _DENIED]
+    program += [(jeq, "no user namespace", 0, nr["unshare"]), (jeq, "no user namespace", 0, nr["clone"]),
+                (jeq, "socket", 0, nr["socket"]), (jeq, "socket", 0, nr["socketpair"]),
+                (jeq, "enosys", 0, nr["clone3"]), (ret, 0, 0, allow)]  # clone3: ENOSYS makes glibc use clone
+    labels = {"no user namespace": len(program)}
+    program += [(load, 0, 0, 16), (jset, "deny", 0, CLONE_NEWUSER), (ret, 0, 0, allow)]  # its flags, the first arg
+    labels["socket"] = len(program)
+    program += [(load, 0, 0, 16), *[(jeq, "allow", 0, family) for family in SOCKET_FAMILIES],
+                (ret, 0, 0, 0x00050000 | errno.EAFNOSUPPORT)]
+    labels.update(allow=len(program), deny=len(program) + 1, enosys=len(program) + 2)
+    program += [(ret, 0, 0, allow), (ret, 0, 0, eperm), (ret, 0, 0, 0x00050000 | errno.ENOSYS)]
+    program = [(op, labels[jt] - i - 1 if isinstance(jt, str) else jt, jf, k) for i, (op, jt, jf, k) in
+               enumerate(program)]
+    instructions = (_SockFilter * len(program))(*[_SockFilter(*i) for i in program])
+    return _SockFprog(len(program), ctypes.cast(instructions, ctypes.POINTER(_SockFilter))), instructions
+
+
+_CAP_HEADER, _CAP_DATA = ctypes.c_uint32 * 2, ctypes.c_uint32 * 6  # made here, not in every call's child
+
+
+def _drop_capabilities():
+    """A process of a user namespace gives up every capability it holds there (it keeps its user, not root there)."""
+    for cap in range(64):
+        if _PRCTL(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability
+    _check(_CAPSET(_CAP_HEADER(0x20080522, 0), _CAP_DATA()), "capset")  # version 3, every set empty
+
+
+def _fresh_keyrings():
+    """Without the system-call filter: a new session keyring, and the user's keyrings emptied of what an earlier call
+    of this user left there."""
+    with contextlib.suppress(OSError, KeyError):
+        _syscall("keyctl", 1, 0)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
+        for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+            _syscall("keyctl", 7, keyring)  # KEYCTL_CLEAR
+
+
+# ---- The calls' world -----------------------------------------------------------------------------------------------
+
+SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # read-only in a call's view
+DEVICES = ("null", "zero", "full", "random", "urandom")
+TMP_MB, TMP_FILES = 16, 4096  # a call's private /tmp (also /dev/shm, /var/tmp, /run/lock): its only writable space
+MAX_OPEN_FILES = 64  # each may hold kernel memory outside the address-space limit (a pipe, a socket's buffers)
+UID_BASE = 2_000_000_000  # a root trainer's calls run as UID_BASE + their sandbox process's pid: a user of their own
+LACKS = {  # what a call's world is without each mechanism, said once at start when the mechanism is not available
+    "user namespace": "user namespaces (a non-root trainer needs one for every other namespace)",
+    "view": "its own read-only view of the files (a call reads what its user can read, and files it leaves in /tmp "
+            "or /dev/shm reach later calls)",
+    "pid": "a PID namespace (a call sees other processes and can signal those of its user)",
+    "net": "a network namespace (a call can reach the machine's loopback services)",
+    "ipc": "an IPC namespace",
+    "uts": "a UTS namespace",
+    "seccomp": "the system-call filter (keyrings, SysV IPC, ptrace and other socket families stay open to a call)",
+    "uid": "a user of its own per call (calls share the user nobody)",
+    "root": "a user of its own per call (a non-root trainer's calls all run as its user)",
+}
+
+
+def _inside(path, folder):
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _view_plan(hidden):
+    """The mounts of a call's view: [(kind, path)] in mount order; kind is "link" (a symlink as on the machine),
+    "bind" (a folder as on the machine, read-only), "hide" (an empty folder over a hidden one inside a bound folder)
+    or "dev" (a device)."""
+    import sysconfig
+
+    plan = [("link", p) if os.path.islink(p) else ("bind", p) for p in SYSTEM_FOLDERS if os.path.lexists(p)]
+    install = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    for path in [*sys.path, *install]:  # the Python installation; in the checkout only where it holds one (a venv)
+        path = os.path.abspath(path) if path else ""
+        if (os.path.isdir(path) and not _inside(ROOT, path)
+                and (not _inside(path, ROOT) or path in install or path.endswith(("-packages", "/lib-dynload")))):
+            plan.append(("bind", path))
+    hidden = sorted({os.path.realpath(h) for h in hidden})
+    bound = [os.path.realpath(p) for kind, p in plan if kind == "bind"]
+    plan += [("hide", h) for h in hidden if any(_inside(h, b) and h != b for b in bound)]
+    plan.sort(key=lambda op: (op[1].count("/"), op[1]))
+    kept, mounted = [], []  # a bind inside another is left out, unless a hidden folder lies between them
+    for kind, path in plan:
+        real = os.path.realpath(path)
+        if kind == "bind" and any(_inside(real, outer) and not any(_inside(h, outer) and _inside(real, h) and h != outer
+                                                                  for h in hidden) for outer in mounted):
+            continue
+        if kind == "bind":
+            mounted.append(real)
+        if (kind, path) not in kept:
+            kept.append((kind, path))
+    return kept + [("dev", f"/dev/{name}") for name in DEVICES if os.path.exists(f"/dev/{name}")]
+
+
+def _build_view(mountpoint, hidden):
+    """Mount a call's world on mountpoint in this process's (private) mount namespace and make it this process's
+    root: a small read-only tmpfs holding read-only binds of SYSTEM_FOLDERS and the Python installation, the DEVICES,
+    and /tmp, where each call mounts its own tmpfs (/dev/shm, /var/tmp and /run/lock point to it). Nothing else of
+    the machine is there: not the checkout, the run folders, $HOME, /etc, /proc or /sys."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the machine's mount namespace
+    _mount("tinyrl-sandbox", mountpoint, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    devices = []
+    for kind, path in _view_plan(hidden):
+        target = mountpoint + path
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if kind == "link":
+            os.symlink(os.readlink(path), target)
+        elif kind == "dev":
+            open(target, "w").close()
+            _mount(path, target, None, MS_BIND)
+            devices.append(target)
+        else:
+            os.makedirs(target, exist_ok=True)
+            if kind == "bind":
+                _mount(path, target, None, MS_BIND | MS_REC)
+            else:
+                _mount("tinyrl-hidden", target, "tmpfs", MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=64,mode=0755")
+    for folder in ("tmp", "var", "run"):
+        os.makedirs(f"{mountpoint}/{folder}", exist_ok=True)
+    for link in ("/dev/shm", "/var/tmp", "/run/lock"):
+        os.symlink("/tmp", mountpoint + link)
+    with open("/proc/self/mountinfo") as f:  # every mount of the view read-only (submounts of a bound folder too)
+        targets = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]) for line in f]
+    for target in targets:
+        if _inside(target, mountpoint):
+            flags = MS_REMOUNT | MS_BIND | MS_NOSUID | sum(ms for st, ms in _LOCKED_FLAGS
+                                                              if os.statvfs(target).f_flag & st)
+            _mount(None, target, None, flags | MS_NOEXEC if target in devices else flags | MS_RDONLY | MS_NODEV)
+    os.chdir(mountpoint)
+    _syscall("pivot_root", b".", b".")  # the view becomes this process's root, the machine's is stacked under it
+    _check(_UMOUNT2(b".", 2), "umount2")  # MNT_DETACH: the machine's root is detached
+    os.chdir("/")
+
+
+def _probe(test):
+    """Whether test() runs without an exception in a child of this process."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            test()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+NETWORK = """A sandbox process's network namespace holds one interface, a loopback that is down, and its calls share it
+one at a time (a fresh one per call costs ~0.5 ms of CPU). Nothing of a call survives there: it has
+no capability to configure the namespace (the loopback stays down, so no connection is ever made and none lingers),
+and its sockets, abstract Unix socket names among them, close with its processes, which all end with the call."""
+
+
+class _World:
+    """What a sandbox process sets up once, in this order, and what each of its calls then enters: a user namespace
+    (for a non-root trainer: every other namespace needs one), a PID namespace of its own (it becomes its first
+    process), a mount namespace holding the calls' read-only view (its own root), a network namespace (NETWORK), the
+    call's user, and the system-call filter (its own too: its children inherit it). Each call's child is the first
+    process of a fresh PID namespace and enters fresh mount (its private /tmp), IPC and UTS namespaces. `lacks` names
+    what this machine does not allow (see LACKS)."""
+
+    def __init__(self, folder, hidden, without):
+        self.root = os.geteuid() == 0
+        self.uid, self.gid = (NOBODY, NOBODY) if self.root else (os.getuid(), os.getgid())
+        self.lacks, self.flags, self.view, self.pid_fd, self.seccomp = [], 0, False, None, None
+        self.calls = tempfile.mkdtemp(dir=folder)  # the mount point of the view, or the calls' folders without one
+        os.chmod(self.calls, 0o711)  # a call that switched users reaches its own folder in it, and lists none
+        uid = UID_BASE + os.getpid()  # no other running sandbox process of this machine has it
+        caps, self.userns = self.root, False
+        if not self.root:
+            try:
+                if "user namespace" in without:
+                    raise OSError("disabled")
+                _unshare(CLONE_NEWUSER)
+                for name, text in (("setgroups", "deny"), ("uid_map", f"{self.uid} {self.uid} 1"),
+                                   ("gid_map", f"{self.gid} {self.gid} 1")):
+                    with open(f"/proc/self/{name}", "w") as f:
+                        f.write(text)
+                caps = self.userns = True
+            except OSError:
+                self.lacks.append("user namespace")
+        self.pid_fd = self._pid_namespace() if caps and "pid" not in without else None
+        if self.pid_fd is None:
+            self.lacks.append("pid")
+        try:
+            if not caps or "view" in without:
+                raise OSError("disabled")
+            _unshare(CLONE_NEWNS)
+            _build_view(self.calls, hidden)
+            self.view = True
+        except OSError:
+            self.lacks.append("view")
+            _UMOUNT2(os.fsencode(self.calls), 2)  # a view half built is dropped (where it was mounted at all)
+        try:  # its own network namespace, which its calls share one at a time: see NETWORK
+            if not caps or "net" in without:
+                raise OSError("disabled")
+            _unshare(CLONE_NEWNET)
+        except OSError:
+            self.lacks.append("net")
+        for name, flag in (("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC)):
+            if caps and name not in without and _probe(lambda: _unshare(flag)):  # noqa: B023
+                self.flags |= flag
+            else:
+                self.lacks.append(name)
+        if self.view:
+            self.flags |= CLONE_NEWNS
+            if not _probe(lambda: (_unshare(CLONE_NEWNS), self.mount_tmp())):
+                raise RuntimeError("a call could not mount its /tmp")
+        if not self.root:
+            self.lacks.append("root")
+        elif "uid" not in without and _probe(lambda: self.become(uid, uid)):
+            self.uid = self.gid = uid
+        else:
+            self.lacks.append("uid")
+        self.seccomp = _seccomp_program() if "seccomp" not in without else None
+        if self.seccomp is not None and _probe(lambda: self._filter(check=True)):
+            self._filter()  # this process's too: every call inherits it, at no cost per call
+        else:
+            self.seccomp = None
+            self.lacks.append("seccomp")
+
+    def _pid_namespace(self):
+        """Become the first process of a PID namespace of our own (the started process stays outside, waits for us
+        and ends with us). Returns its file descriptor, or None where that cannot be done."""
+        try:
+            _unshare(CLONE_NEWPID)
+            pid = os.fork()
+        except OSError:
+            return None
+        if pid:
+            os.closerange(3, 65536)
+            _, status = os.waitpid(pid, 0)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        try:
+            self.pid_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)  # before the view, which has no /proc
+        except OSError:
+            return None
+        if not _probe(lambda: (self.new_pid_namespace(), os.waitpid(os.fork() or os._exit(0), 0),
+                               self.new_pid_namespace(), os.waitpid(os.fork() or os._exit(0), 0))):
+            os.close(self.pid_fd)
+            return None
+        return self.pid_fd
+
+    def new_pid_namespace(self):
+        """The next child of this process is the first process of a fresh PID namespace. A process can unshare one
+        only from its own: it enters its own again first (setns), after its last call's child (which ended)."""
+        _check(_SETNS(self.pid_fd, CLONE_NEWPID), "setns")
+        _unshare(CLONE_NEWPID)
+
+    def mount_tmp(self):
+        _mount("tinyrl-tmp", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"size={TMP_MB}m,nr_inodes={TMP_FILES},mode=1777,uid={self.uid},gid={self.gid}")
+
+    @staticmethod
+    def become(uid, gid):
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+
+    def _filter(self, check=False):
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # no set-user-ID program gives privileges back; the filter needs it
+        _prctl(PR_SET_SECCOMP, 2, ctypes.addressof(self.seccomp[0]))  # SECCOMP_MODE_FILTER
+        if check:  # it holds: refused what it refuses, allowed what a call needs
+            for test, refused in ((lambda: _syscall("keyctl", 0, -4, 0), errno.EPERM),
+                                  (lambda: _unshare(CLONE_NEWUSER), errno.EPERM),
+                                  (lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW), errno.EAFNOSUPPORT)):
+                try:
+                    test()
+                except OSError as e:
+                    if e.errno != refused:
+                        raise
+                else:
+                    raise OSError("the filter does not hold")
+            socket.socket(socket.AF_UNIX).close()
+            _unshare(self.flags)
+
+    def warning(self):
+        return "the tool sandbox runs without " + "; ".join(LACKS[k] for k in self.lacks) if self.lacks else ""
+
+
 class _CappedText(io.TextIOBase):
     """A stdout that keeps its first `cap` characters and drops the rest (a print loop cannot grow it)."""
 
@@ -132,51 +544,213 @@ class _CappedText(io.TextIOBase):
         return "".join(self.parts)
 
 
-def _serve(folder, modules, memory_bytes, file_bytes, max_chars, timeout):
-    """A sandbox process, a fresh interpreter (not a fork of the trainer: it holds no torch, so forking it is cheap).
-    It imports `modules` (a call's import of them is then free, and works even where the user nobody cannot read the
-    Python installation), takes its limits, makes two test calls, answers [why it cannot run calls or "", a warning
-    or ""] on stdout, then reads one JSON code string per line on stdin and answers each with one JSON [output, error]
-    line, every call in a child of its own."""
-    channel_in, channel_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+# ---- A sandbox process ----------------------------------------------------------------------------------------------
+
+
+def _serve(channel_fd, config):
+    """A sandbox process: a fresh interpreter, started isolated (python -I, an empty environment, not in the
+    trainer's folder), never a fork of the trainer. It imports `modules`, takes its limits, sets up its _World, makes
+    two test calls, answers [why it cannot run calls or "", a warning or ""] on its channel (a Unix socket to the
+    trainer), then serves calls (_serve_calls)."""
+    modules, memory_bytes, file_bytes, max_chars, timeout, folder, hidden, without = json.loads(config)
+    channel = socket.socket(fileno=channel_fd)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)  # C-level writes (os.write, a crashing extension) go nowhere
-
-    def answer(message):
-        channel_out.write(json.dumps(message).encode() + b"\n")
-        channel_out.flush()
-
+    os.close(devnull)
     try:
         for name in modules:
             importlib.import_module(name)
-        gc.freeze()  # the imported objects stay out of the children's garbage collections: fewer pages copied
-        root = tempfile.mkdtemp(dir=folder)
-        os.chmod(root, 0o711)  # a child that became nobody reaches its own folder in it, and lists none
-        with contextlib.suppress(Exception):  # Linux: a child of the same user cannot reach this process's pipes
-            ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: /proc/<pid>/fd is closed to it
-        limit_process(memory_bytes, file_bytes)
+        os.environ.clear()  # calls see an empty environment
+        limit_process(memory_bytes, file_bytes)  # here: the view has no /proc
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        world = _World(folder, hidden, set(without))
+        world.alive_r, world.alive_w = os.pipe()  # a child sees this process gone when alive_r reads end-of-file
+        compile("", "<tool>", "exec")  # its first compile() makes Python's AST types: here, not in every child
+        gc.freeze()  # the imported objects stay out of the children's garbage collections: fewer pages copied
+        with contextlib.suppress(OSError):  # a call's child of the same user cannot reach this process's memory
+            _prctl(PR_SET_DUMPABLE, 0)
     except BaseException as e:  # noqa: BLE001 - e.g. a module that cannot be imported: the sandbox stops
-        return answer([f"{type(e).__name__}: {e}", ""])
+        return channel.send(json.dumps([f"{type(e).__name__}: {e}", "", []]).encode())
+    test = _own_call(world, "print(6 * 7)", max_chars, timeout)
+    if test != ("42\n", ""):  # a child that cannot take its limits or user never runs a call: the run stops
+        return channel.send(json.dumps([f"a test call gave {test}", "", []]).encode())
+    readable = _own_call(world, "import sys\n__import__(next(name for name in ('colorsys', 'tabnanny', 'netrc', "
+                                "'wave') if name not in sys.modules))", max_chars, timeout) == ("", "")
+    warnings = [world.warning()] if world.lacks else []
+    if not readable:
+        warnings.append(f"the sandbox's user cannot read the Python installation ({sys.prefix}): a tool call can "
+                        "import only the sandbox's modules and what they import at start")
+    channel.send(json.dumps(["", "; ".join(warnings), world.lacks]).encode())
+    _serve_calls(world, channel, max_chars, timeout)
 
-    def call(code, reply=None):
-        folder = tempfile.mkdtemp(dir=root)
-        result = _run_code(code, max_chars, timeout, folder)
-        if reply:
-            reply(result)
-        _remove(folder)  # after the reply: a call that made many files does not delay it
-        return result
 
-    test = call("print(6 * 7)")  # a child that cannot take its limits or user never runs a call: the run stops
-    if test != ("42\n", ""):
-        return answer([f"a test call gave {test}", ""])
-    readable = call("import sys\n__import__(next(name for name in ('colorsys', 'tabnanny', 'netrc', 'wave') "
-                    "if name not in sys.modules))") == ("", "")  # a small module not imported yet
-    answer(["", "" if readable else f"the sandbox's user cannot read the Python installation ({sys.prefix}): a tool "
-                                    "call can import only the sandbox's modules and what they import at start"])
-    for line in channel_in:  # until the trainer closes the pipe
-        call(json.loads(line), reply=answer)
+def _serve_calls(world, channel, max_chars, timeout):
+    """The loop of a sandbox process, until the trainer closes the channel. A message "c" brings a call's code (a
+    memfd) and the write end of its result pipe: a child forked for the call reads the code and writes the result,
+    and this process, which reads neither, kills the child at its time limit, or when the next call comes while it
+    still runs (it closed its pipe early: the trainer has its answer). Calls run one at a time.
+    Once a child has ended, its status goes to the trainer: "s" + timeout, signal N, exit code N or not started, one
+    message per call, in order."""
+    name = ctypes.create_string_buffer(b"tool-sandbox")  # in ps and top: this process and its calls' children
+    _PRCTL(PR_SET_NAME, ctypes.addressof(name), 0, 0, 0)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes the select below
+    call = None  # [pid, deadline, folder, killed for its time]
+
+    def end(block):
+        nonlocal call
+        pid, status = os.waitpid(call[0], 0 if block else os.WNOHANG)
+        if pid:
+            if call[2]:
+                _remove(call[2])
+            channel.send(b"s" + ("timeout" if call[3] else _status(status)).encode())
+            call = None
+
+    while True:
+        wait = None if call is None or call[3] else max(0.0, call[1] - time.monotonic())
+        readable = select.select([channel, wake_r], [], [], wait)[0]
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        if call and not call[3] and time.monotonic() >= call[1]:
+            call[3] = True
+            os.kill(call[0], signal.SIGKILL)
+        if call:
+            end(block=False)
+        if channel not in readable:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, 16, 2)
+        except OSError:
+            message, fds = b"", []
+        if not message:
+            return  # the trainer closed the channel
+        if message == b"c":
+            if call:  # it closed its pipe early and runs on: the trainer has its answer
+                os.kill(call[0], signal.SIGKILL)
+                end(block=True)
+            try:
+                if len(fds) != 2:
+                    raise OSError("a call without its code and pipe")
+                pid, folder = _start_call(world, *fds, max_chars, timeout)
+                call = [pid, time.monotonic() + timeout, folder, False]
+            except OSError:  # e.g. no memory for a new namespace: this call fails, the next one is tried
+                channel.send(b"snot started")
+        for fd in fds:
+            os.close(fd)  # the child has its own copies: its pipe ends when the child closes it or ends
+
+
+def _status(status):
+    return f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}"
+
+
+def _start_call(world, code_fd, result_fd, max_chars, timeout):
+    """Fork the child of one call, the first process of a fresh PID namespace. Returns (its pid, its folder, or None
+    where it has a private /tmp)."""
+    folder = None
+    if not world.view:
+        folder = tempfile.mkdtemp(dir=world.calls)
+        os.chown(folder, world.uid, world.gid)
+    if world.pid_fd is not None:
+        world.new_pid_namespace()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _child(world, code_fd, result_fd, folder, max_chars, timeout)
+        finally:
+            os._exit(0)
+    return pid, folder
+
+
+def _own_call(world, code, max_chars, timeout):
+    """A call of the sandbox process's own (its test calls at start), run as any other (its code in a pipe)."""
+    code_fd, code_write = os.pipe()
+    os.write(code_write, code.encode())
+    os.close(code_write)
+    read_end, write_end = os.pipe()
+    pid, folder = _start_call(world, code_fd, write_end, max_chars, timeout)
+    os.close(code_fd)
+    os.close(write_end)
+    result, deadline = b"", time.monotonic() + timeout
+    while select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(read_end, 65536)
+        if not chunk:
+            break
+        result += chunk
+    timed_out = time.monotonic() >= deadline
+    os.kill(pid, signal.SIGKILL)
+    status = os.waitpid(pid, 0)[1]
+    os.close(read_end)
+    if folder:
+        _remove(folder)
+    return _outcome(result, "timeout" if timed_out else _status(status), max_chars, timeout)
+
+
+def _child(world, code_fd, result_fd, folder, max_chars, timeout):
+    """The child of one call, forked by its sandbox process as the first process of a fresh PID namespace. It dies
+    with its sandbox process, takes a session of its own, reads its code, enters fresh mount and IPC namespaces,
+    mounts its private /tmp (its working folder), becomes the call's user (a root trainer's: one no other running
+    call has; in a user namespace: no capability left), keeps no file but its result pipe, may start no process or
+    thread (RLIMIT_NPROC 0), has timeout + 2 s of CPU, runs the code with its output capped (under its sandbox
+    process's system-call filter), and writes (output, error) as JSON to its result pipe."""
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if select.select([world.alive_r], [], [], 0)[0]:
+            return  # its sandbox process died before the line above: nothing may outlive it
+        signal.set_wakeup_fd(-1)
+        os.setsid()  # kill(0, ...) reaches this process only
+        code = b""
+        while chunk := os.read(code_fd, 1 << 16):
+            code += chunk
+        code = code.decode("utf-8", "surrogatepass")
+        if world.flags:
+            _unshare(world.flags)
+        if world.flags & CLONE_NEWUTS:
+            socket.sethostname("sandbox")  # not the machine's name
+        if world.view:
+            world.mount_tmp()
+            os.chdir("/tmp")
+        else:
+            os.chdir(folder)
+        if world.root:
+            world.become(world.uid, world.gid)
+        elif world.userns:
+            _drop_capabilities()
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of user clears it
+        if select.select([world.alive_r], [], [], 0)[0]:
+            return
+        if world.seccomp is None:
+            _fresh_keyrings()
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)  # no set-user-ID program gives privileges back
+        os.closerange(3, result_fd)  # its sandbox process's channel among them: the code cannot answer in its place
+        os.closerange(result_fd + 1, 65536)
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
+        cpu = int(timeout) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # a child that escaped its sandbox process still stops
+        resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
+    except BaseException as e:  # noqa: BLE001 - the code is not run outside its world
+        data = json.dumps(["", f"SandboxError: the call could not be isolated ({type(e).__name__}: {e})"])
+        with contextlib.suppress(OSError):
+            os.write(result_fd, data.encode())
+        return
+    stdout, error = _CappedText(max_chars), ""
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
+            exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
+        error = traceback.format_exception_only(type(e), e)[-1].strip()
+    output, error = stdout.getvalue(), error[:max_chars]
+    encode = lambda: json.dumps([output, error], ensure_ascii=False).encode("utf-8", "surrogatepass")  # noqa: E731
+    data, room = encode(), fcntl.fcntl(result_fd, F_GETPIPE_SZ)
+    while len(data) > room:  # the whole answer fits its pipe: it never waits on the trainer
+        output, error = (output[:len(output) // 2], error) if output else ("", error[:len(error) // 2])
+        data = encode()  # the trainer cleans what it reads
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(result_fd, data):]
+        os.close(result_fd)  # the trainer has the answer now, not once this process's memory is freed
 
 
 def _remove(folder):
@@ -187,157 +761,216 @@ def _remove(folder):
         subprocess.run(["rm", "-rf", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if chr(c) not in "\n\t"}
+_CONTROLS.update({c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})  # bidi overrides
+
+
 def _clean(text):
-    """A string the tokenizer can take: a lone surrogate (print('\ud800')) becomes its escape."""
-    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    """A string the tokenizer and a console can take: a lone surrogate (print('\ud800')) becomes its escape, and so
+    do control characters but newline and tab (a terminal escape sequence, a carriage return, a bidi override)."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8").translate(_CONTROLS)
 
 
-def _run_code(code, max_chars, timeout, folder):
-    """One call, in a sandbox process: (output, error line or ""). The code runs in a child forked for this call, as a
-    script in an empty folder; past `timeout` seconds the child is killed."""
-    read_end, write_end = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _child(code, max_chars, folder, write_end, parent, timeout)
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    result, deadline, timed_out = b"", time.monotonic() + timeout, False
-    while len(result) < 16 * max_chars + 1024:  # the child's answer is ~2 * max_chars; a flood is cut
-        timed_out = not select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]
-        chunk = b"" if timed_out else os.read(read_end, 65536)
-        if not chunk:
-            break
-        result += chunk
-    os.kill(pid, signal.SIGKILL)  # it has answered, closed its pipe, or run out of time: nothing of it may stay
-    _, status = os.waitpid(pid, 0)
-    os.close(read_end)
-    if timed_out:
-        return "", f"TimeoutError: the code ran for more than {timeout:g} s and was stopped"
+def _answer(data, max_chars):
+    """(output, error) from a child's answer, or None where it is none (not JSON: junk, cut, or nothing)."""
     try:
-        output, error = json.loads(result)
+        output, error = json.loads(data.decode("utf-8", "surrogatepass"))
         return _clean(output)[:max_chars + 1], _clean(error)[:max_chars]
-    except Exception:  # noqa: BLE001 - no answer: the child died (a segfault, memory exhausted in C code), or junk
-        code = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}"
-        return "", f"the code ended without a result ({code})"
-
-
-def _child(code, max_chars, folder, write_end, parent, timeout):
-    """The forked child of one call: as root it becomes nobody (it can then signal no root process, its sandbox
-    process among them), it dies with its sandbox process, keeps no file of it but its result pipe, starts no process
-    or thread, has timeout + 2 s of CPU, runs the code with its output capped, and writes (output, error) as JSON to
-    write_end."""
-    if os.getuid() == 0:
-        os.chown(folder, NOBODY, NOBODY)
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-    with contextlib.suppress(Exception):  # Linux, after setuid (which clears it): killed if its sandbox process dies
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        return
-    os.closerange(3, write_end)  # the sandbox process's channel among them: the code cannot answer in its place
-    os.closerange(write_end + 1, 65536)
-    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
-    cpu = int(timeout) + 2
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # a child that escaped its sandbox process still stops
-    stdout, error = _CappedText(max_chars), ""
-    try:
-        os.chdir(folder)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
-            exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
-        error = traceback.format_exception_only(type(e), e)[-1].strip()
-    data = json.dumps([stdout.getvalue(), error[:max_chars]]).encode()  # its sandbox process cleans what it reads
-    with contextlib.suppress(OSError):
-        while data:
-            data = data[os.write(write_end, data):]
-
-
-def _parse_answer(line):
-    """(output, error) from a sandbox process's answer line; None for no line (it died or stopped) or junk."""
-    try:
-        output, error = json.loads(line)
-        return str(output), str(error)
     except Exception:  # noqa: BLE001
         return None
 
 
+def _outcome(data, status, max_chars, timeout):
+    """(output, error) of a call from what its child wrote and, where that is no answer, the status of its end."""
+    answer = _answer(data, max_chars)
+    if answer is not None:
+        return answer
+    if status == "timeout":
+        return "", f"TimeoutError: the code ran for more than {timeout:g} s and was stopped"
+    if status == "not started":
+        return "", "the sandbox could not start the call"
+    return "", f"the code ended without a result ({status})"  # a segfault, memory exhausted in C code, junk
+
+
+def _environment():
+    """The sandbox processes' environment: nothing of the trainer's but what starts the interpreter."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+    if "LD_LIBRARY_PATH" in os.environ:
+        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+    return env
+
+
 class PythonSandbox:
-    """Run model-written code in sandbox processes, many calls at once, each call in a fresh child:
+    """Run model-written code in sandbox processes, many calls at once, each call in a fresh child and a fresh world:
 
         with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
             results = sandbox.run(["print(6 * 7)", "while True: pass"])   # [("42\\n", ""), ("", "TimeoutError: ...")]
+
+    `warning` says in one line what the calls' world lacks on this machine ("" when nothing), `lacks` the names of
+    those mechanisms (keys of LACKS). `_without` (tests) leaves mechanisms out by those names.
     """
 
-    def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=()):
-        self.timeout = timeout
-        self.config = json.dumps([list(modules), memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout])
+    def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=(),
+                 _without=()):
+        self.timeout, self.max_chars = timeout, max_output_chars
+        self.cap = 32 * max_output_chars + 1024  # bytes of a child's answer at most (12 a character at worst)
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
-        os.chmod(self.folder, 0o711)  # a process that became nobody can reach its own folder, not list the others
-        self.processes = [self._start() for _ in range(max(1, num_workers))]
-        for process in self.processes:
-            self._ready(process)
+        os.chmod(self.folder, 0o711)
+        hidden = [ROOT, os.getcwd(), os.path.expanduser("~")]  # never in a call's view, even inside a bound folder
+        self.config = json.dumps([list(modules), memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout,
+                                  self.folder, hidden, list(_without)])
+        self.warning, self.lacks, self.processes = "", [], []
+        try:
+            for _ in range(max(1, num_workers)):
+                self.processes.append(self._start())
+            for process in self.processes:
+                self._ready(process)
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self):
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from utils.tools import _serve; "
-                "_serve(sys.argv[2], *json.loads(sys.argv[3]))")
-        return subprocess.Popen([sys.executable, "-c", code, ROOT, self.folder, self.config], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from utils.tools import _serve; del sys.path[0]; "
+                "_serve(int(sys.argv[2]), sys.argv[3])")
+        try:
+            process = subprocess.Popen([sys.executable, "-I", "-c", code, ROOT, str(child.fileno()), self.config],
+                                       pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True, env=_environment(), cwd="/")
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        process.channel, process.dead, process.sent, process.received, process.status = parent, False, 0, 0, (-1, "")
+        return process
 
     def _ready(self, process):
-        """Wait for a new sandbox process's first answer (["", warning] once its limits hold); keep its warning."""
-        line = process.stdout.readline() if select.select([process.stdout], [], [], 60)[0] else b""
-        why, self.warning = _parse_answer(line) or (
-            "it ended before it was ready" if process.poll() is not None else "it did not start within 60 s", "")
+        """Wait for a new sandbox process's first answer (["", warning, lacks] once its limits hold); keep its
+        warning and the names of the mechanisms it lacks."""
+        answer = None
+        if select.select([process.channel], [], [], 60)[0]:
+            with contextlib.suppress(Exception):
+                why, warning, lacks = json.loads(process.channel.recv(1 << 16))
+                answer = (str(why), str(warning), list(lacks))
+        why, self.warning, self.lacks = answer or (
+            "it ended before it was ready" if process.poll() is not None else "it did not start within 60 s", "", [])
         if why:
-            self.close()
             raise RuntimeError(f"the Python sandbox could not start: {why}")
 
+    def _send(self, k, code):
+        """Give sandbox process k a call: the code in a memfd, the write end of a new result pipe. Returns the read
+        end, or None where the process cannot take it (it died, or stopped with its channel full)."""
+        process = self.processes[k]
+        self._statuses(k)  # those of its calls answered before: its channel never fills
+        if process.dead:
+            return None
+        code_fd, (read_end, write_end) = os.memfd_create("tool-call", os.MFD_CLOEXEC), os.pipe()
+        try:
+            data = code.encode("utf-8", "surrogatepass")
+            while data:
+                data = data[os.write(code_fd, data):]
+            os.lseek(code_fd, 0, os.SEEK_SET)  # the child reads it from the start
+            for size in (self.cap, 1 << 20) if self.cap > 65536 else ():  # room for the whole answer (else it is cut)
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(write_end, F_SETPIPE_SZ, size)
+                    break
+            socket.send_fds(process.channel, [b"c"], [code_fd, write_end], socket.MSG_DONTWAIT)
+        except OSError:
+            os.close(read_end)
+            return None
+        finally:
+            os.close(code_fd)
+            os.close(write_end)
+        process.sent += 1
+        return read_end
+
     def run(self, codes):
-        """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success."""
+        """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success.
+        A call's answer is taken from its pipe's first read where it is whole (an honest child writes it at once),
+        else once its sandbox process says the child ended: a call that writes a byte at a time wakes the trainer
+        twice, not once a byte."""
         results = [("", f"the code is over {MAX_CODE_CHARS} characters and was not run") if len(code) > MAX_CODE_CHARS
-                   else None for code in codes]  # a longer one could fill a pipe to a stopped process
+                   else None for code in codes]
         todo = [i for i in reversed(range(len(codes))) if results[i] is None]
-        busy = {}  # a process's index -> (its call's index, the backstop deadline)
+        busy = {}  # a process's index -> its call: [index, backstop deadline, read end, its number, ended, first read]
         while todo or busy:
             for k in range(len(self.processes)):
-                if k not in busy and todo:
-                    # a backstop: each call times itself; the slack covers removing the folders of the call before
-                    busy[k] = (todo.pop(), time.monotonic() + self.timeout + 10)
-                    with contextlib.suppress(OSError):  # a process that died answers nothing, and is replaced below
-                        self.processes[k].stdin.write(json.dumps(codes[busy[k][0]]).encode() + b"\n")
-                        self.processes[k].stdin.flush()
-            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
-            readable = select.select([self.processes[k].stdout for k in busy], [], [], wait)[0]
-            for k, (call, deadline) in list(busy.items()):
-                stdout = self.processes[k].stdout  # asked again: a replacement just now may have taken a while
-                line = stdout.readline() if stdout in readable or select.select([stdout], [], [], 0)[0] else None
-                if line is None and time.monotonic() < deadline:
-                    continue  # still running
-                results[call] = _parse_answer(line)
-                if results[call] is None:  # it died (its child may kill it), stopped answering, or wrote junk
-                    results[call] = ("", "the sandbox process died or stopped answering; it was replaced")
-                    self._stop(self.processes[k])
-                    self.processes[k] = self._start()
-                    self._ready(self.processes[k])
-                del busy[k]
+                while k not in busy and todo:
+                    i = todo.pop()
+                    read_end = self._send(k, codes[i])
+                    if read_end is None:
+                        results[i] = ("", "the sandbox process died or stopped answering; it was replaced")
+                        self._replace(k)
+                    else:  # a backstop: each call is timed by its sandbox process; the slack covers a replacement
+                        busy[k] = [i, time.monotonic() + self.timeout + 10, read_end, self.processes[k].sent - 1, False]
+            wait = max(0.0, min(call[1] for call in busy.values()) - time.monotonic())
+            waits = {call[2] if not call[4] else self.processes[k].channel: k for k, call in busy.items()}
+            for ready in select.select(list(waits), [], [], wait)[0]:
+                k = waits[ready]
+                call = busy[k]
+                if not call[4]:  # its first read
+                    call.append(os.read(call[2], self.cap + 1))
+                    results[call[0]] = _answer(call[5], self.max_chars)
+                    call[4] = results[call[0]] is None  # not whole: wait for its end
+                else:
+                    status = self._statuses(k, call[3])
+                    if status is not None or self.processes[k].dead:
+                        results[call[0]] = self._ended(k, call, status)
+            for k, call in list(busy.items()):
+                if results[call[0]] is None and time.monotonic() >= call[1]:  # the process stopped answering
+                    results[call[0]] = ("", "the sandbox process died or stopped answering; it was replaced")
+                    self._replace(k)
+                if results[call[0]] is not None:
+                    os.close(call[2])
+                    del busy[k]
         return results
+
+    def _statuses(self, k, wanted=None):
+        """Read process k's status messages sent so far (one per call, in order, once the call's child has ended).
+        Returns that of call number `wanted`, or None."""
+        process = self.processes[k]
+        while not process.dead and select.select([process.channel], [], [], 0)[0]:
+            try:
+                message = process.channel.recv(256)
+            except OSError:
+                message = b""
+            if not message.startswith(b"s"):  # end of file: the process died
+                process.dead = True
+                break
+            process.status = (process.received, message[1:].decode("utf-8", "replace"))
+            process.received += 1
+        return process.status[1] if process.status[0] == wanted else None
+
+    def _ended(self, k, call, status):
+        """(output, error) of a call whose child ended: what the child left in its pipe (read without waiting, at most
+        `cap` bytes), else what its status says."""
+        if status is None:  # the process died mid-call (its child with it)
+            self._replace(k)
+            return "", "the sandbox process died or stopped answering; it was replaced"
+        os.set_blocking(call[2], False)
+        data = call[5]  # its first read
+        with contextlib.suppress(BlockingIOError):
+            while len(data) <= self.cap and (chunk := os.read(call[2], self.cap + 1 - len(data))):
+                data += chunk
+        return _outcome(data, status, self.max_chars, self.timeout)
+
+    def _replace(self, k):
+        self._stop(self.processes[k])
+        self.processes[k] = self._start()
+        self._ready(self.processes[k])
 
     @staticmethod
     def _stop(process):
+        process.channel.close()
         with contextlib.suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)  # its group: itself and a running child (which also has PDEATHSIG)
+            os.killpg(process.pid, signal.SIGKILL)  # its group: the started process and the sandbox process
         process.wait()
-        for pipe in (process.stdin, process.stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
 
     def close(self):
         for process in self.processes:
             self._stop(process)
+        self.processes = []
         _remove(self.folder)
 
     def __enter__(self):
