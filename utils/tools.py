@@ -28,8 +28,10 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   $HOME, /etc, /proc and /sys are not there.
 - A root trainer's call runs as a user no other running call has (UID_BASE + its sandbox process's pid); a non-root
   trainer's calls run as its user, in a user namespace, without capabilities.
-- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), timeout + 2 s of CPU, MAX_OPEN_FILES, and
-  a kill past `timeout` seconds (the only bound that also stops C code: a regex backtracking, a huge integer power).
+- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, `timeout` seconds of
+  CPU (RLIMIT_CPU, whole seconds: it also stops C code, a regex backtracking, a huge integer power), and a kill past
+  wall_limit(timeout) seconds for code that waits instead (a sleep, a blocking read). A call is timed by the CPU it
+  uses, not by the wall clock: on a loaded machine an honest call that waits for a core is not cut.
 - A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
   Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs.
@@ -51,6 +53,7 @@ import gc
 import importlib
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -602,11 +605,12 @@ def _serve_calls(world, channel, max_chars, timeout):
 
     def end(block):
         nonlocal call
-        pid, status = os.waitpid(call[0], 0 if block else os.WNOHANG)
+        pid, status, usage = os.wait4(call[0], 0 if block else os.WNOHANG)
         if pid:
             if call[2]:
                 _remove(call[2])
-            channel.send(b"s" + ("timeout" if call[3] else _status(status)).encode())
+            used_cpu = os.WIFSIGNALED(status) and usage.ru_utime + usage.ru_stime >= cpu_limit(timeout) - 0.05
+            channel.send(b"s" + ("timeout" if call[3] else "cpu" if used_cpu else _status(status)).encode())
             call = None
 
     while True:
@@ -635,7 +639,7 @@ def _serve_calls(world, channel, max_chars, timeout):
                 if len(fds) != 2:
                     raise OSError("a call without its code and pipe")
                 pid, folder = _start_call(world, *fds, max_chars, timeout)
-                call = [pid, time.monotonic() + timeout, folder, False]
+                call = [pid, time.monotonic() + wall_limit(timeout), folder, False]
             except OSError:  # e.g. no memory for a new namespace: this call fails, the next one is tried
                 channel.send(b"snot started")
         for fd in fds:
@@ -673,7 +677,7 @@ def _own_call(world, code, max_chars, timeout):
     pid, folder = _start_call(world, code_fd, write_end, max_chars, timeout)
     os.close(code_fd)
     os.close(write_end)
-    result, deadline = b"", time.monotonic() + timeout
+    result, deadline = b"", time.monotonic() + wall_limit(timeout)
     while select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
         chunk = os.read(read_end, 65536)
         if not chunk:
@@ -727,8 +731,8 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
         os.closerange(3, result_fd)  # its sandbox process's channel among them: the code cannot answer in its place
         os.closerange(result_fd + 1, 65536)
         resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # fork and threads fail: no fork bomb, no orphans
-        cpu = int(timeout) + 2
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # a child that escaped its sandbox process still stops
+        cpu = cpu_limit(timeout)  # the kernel kills it at that much CPU (SIGKILL: as its PID namespace's first
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # process it would ignore SIGXCPU)
         resource.setrlimit(resource.RLIMIT_NOFILE, (MAX_OPEN_FILES, MAX_OPEN_FILES))
     except BaseException as e:  # noqa: BLE001 - the code is not run outside its world
         data = json.dumps(["", f"SandboxError: the call could not be isolated ({type(e).__name__}: {e})"])
@@ -780,13 +784,26 @@ def _answer(data, max_chars):
         return None
 
 
+def cpu_limit(timeout):
+    """Seconds of CPU a call may use (RLIMIT_CPU counts whole seconds)."""
+    return max(1, math.ceil(timeout))
+
+
+def wall_limit(timeout):
+    """Wall-clock seconds a call may take: room for `timeout` seconds of CPU on a loaded machine, a bound on code that
+    waits instead of computing."""
+    return 3 * timeout + 5
+
+
 def _outcome(data, status, max_chars, timeout):
     """(output, error) of a call from what its child wrote and, where that is no answer, the status of its end."""
     answer = _answer(data, max_chars)
     if answer is not None:
         return answer
+    if status == "cpu":
+        return "", f"TimeoutError: the code used {cpu_limit(timeout)} s of CPU and was stopped"
     if status == "timeout":
-        return "", f"TimeoutError: the code ran for more than {timeout:g} s and was stopped"
+        return "", f"TimeoutError: the code waited for more than {wall_limit(timeout):g} s and was stopped"
     if status == "not started":
         return "", "the sandbox could not start the call"
     return "", f"the code ended without a result ({status})"  # a segfault, memory exhausted in C code, junk
@@ -903,7 +920,8 @@ class PythonSandbox:
                         results[i] = ("", "the sandbox process died or stopped answering; it was replaced")
                         self._replace(k)
                     else:  # a backstop: each call is timed by its sandbox process; the slack covers a replacement
-                        busy[k] = [i, time.monotonic() + self.timeout + 10, read_end, self.processes[k].sent - 1, False]
+                        busy[k] = [i, time.monotonic() + wall_limit(self.timeout) + 10, read_end,
+                                   self.processes[k].sent - 1, False]
             wait = max(0.0, min(call[1] for call in busy.values()) - time.monotonic())
             waits = {call[2] if not call[4] else self.processes[k].channel: k for k, call in busy.items()}
             for ready in select.select(list(waits), [], [], wait)[0]:
