@@ -22,6 +22,7 @@ adaptive beta (KLController), token-mean, and mu = 4 (2 epochs of 2 mini-batches
 import contextlib
 import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -36,8 +37,8 @@ from utils.checks import (check_batch_layout, check_fraction, check_lengths, che
                           check_run_args, largest_divisor)
 from utils.hf_engine import HFDecoder, Sample
 from utils.logprobs import token_logprobs as chunked_token_logprobs
-from utils.memory import memory_line, trainer_memory
 from utils.lora import AdaptersOff
+from utils.memory import memory_line, trainer_memory
 from utils.models import for_training, load_tokenizer, resolve_model
 from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
@@ -45,6 +46,7 @@ from utils.rl import engine_is_weights, explained_variance, kl_k1, masked_whiten
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
                         quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
                         write_eval_only)
+from utils.selfcheck import self_check
 from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
 
 
@@ -539,6 +541,8 @@ CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", 
 def main(args):
     from tqdm import tqdm
 
+    if args.run.self_check:  # this configuration for a few steps in a temporary folder, checked (utils/selfcheck.py)
+        raise SystemExit(self_check(__file__, args, sys.argv[1:], resolve_args))
     accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
                           args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load

@@ -79,6 +79,9 @@ class RunArgs:
     """sampled-eval top-p"""
     eval_only: bool = False
     """evaluate --model and exit"""
+    self_check: bool = False
+    """run this configuration for a few steps in a temporary folder and check what must hold (on-policy start,
+    engine/trainer agreement and its alarm, sleep, resume, rewards); only the report goes to the run's folder"""
     # checkpoints
     save_every: int = 100
     """checkpoint every N steps and at the end (0: only at the end)"""
@@ -130,7 +133,7 @@ def save_model(accelerator, model, tokenizer, path):
 
 
 UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track", "wandb_project",
-                 "log_completions_every")  # flags that do not change what a run computes, or are in its name already
+                 "log_completions_every", "self_check")  # flags that do not change what a run computes, or are in its name already
 
 
 def run_name(script, args, exp_name, model, task, seed):
