@@ -48,6 +48,7 @@ from utils.models import for_training, load_tokenizer, resolve_model
 from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import FAILURES, RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_zscore, pass_at_k
+from utils.rollout_page import token_recorder
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
                         quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
                         write_eval_only)
@@ -452,7 +453,7 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
-def update_policy(args, model, optimizer, batch, accelerator):
+def update_policy(args, model, optimizer, batch, accelerator, page=None):
     """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats.
 
     pi_old is batch.old_logp when the loop computed it before the update (mu > 1); otherwise the policy has not moved
@@ -469,8 +470,8 @@ def update_policy(args, model, optimizer, batch, accelerator):
             num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
                                                                    minibatch.mask.sum()]), reduction="sum").clamp(min=1)
             micro = list(micro_batches(minibatch, args.micro_batch_size))
-            for j, (_, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward only, FSDP2
-                # in each (reduce-scattered into float32 shards: no full gradient held between micro-batches)
+            for j, (micro_rows, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward
+                # only, FSDP2 in each (reduce-scattered into float32 shards: no full gradient between micro-batches)
                 with contextlib.nullcontext() if j == len(micro) - 1 or accelerator.is_fsdp2 else accelerator.no_sync(
                         model):
                     logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
@@ -483,6 +484,9 @@ def update_policy(args, model, optimizer, batch, accelerator):
                         stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
                     loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
                                                       (num_seqs, num_tokens), args)
+                    if page is not None and epoch == args.num_epochs - 1:  # --html_every: what the loss saw
+                        page.record(rows[micro_rows], mc, logp, entropy, old_logp, advantages, compute_loss,
+                                    (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
                 m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
                 stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
@@ -590,12 +594,18 @@ def main(args):
             if args.loss_agg == "group-token-mean":  # a positive per-sequence weight: -min(rA, clip(r)A) scales with A
                 advantages = advantages * group_token_weights(batch.mask, G)
             batch.advantages = advantages[:, None] * batch.mask  # A_i on each token of completion i, (B, T)
+            page = token_recorder(args.run, step, len(batch), G, accelerator.is_main_process)  # --html_every
             try:  # a NaN stops the run before it reaches the weights or a checkpoint
-                stats = update_policy(args, model, optimizer, batch, accelerator)
+                stats = update_policy(args, model, optimizer, batch, accelerator, page)
             except FloatingPointError as e:
                 raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                                  f"step (the last checkpoint in {run_dir} is intact)") from None
             trained["charts/reward_std"] = all_rewards.std().item()
+            if page is not None:
+                parts = {name: [x for g in kept for x in g[key]] for name, key in (
+                    ("accuracy", "accuracy"), ("format", "formats"), ("overlong", "length"), ("reward", "reward"))}
+                prompt_texts = tokenizer.batch_decode([g["prompt"] for g in kept for _ in range(G)])
+                page.write(run_dir, step, tokenizer, prompt_texts, parts, [sample.truncated for sample in samples], G)
         # 3. Log (the rollout's statistics are over every completion generated), evaluate, checkpoint.
         stats.mean({"dapo/informative_group_frac": num_informative / len(seen),
                     "charts/overlong_reward": torch.cat([g["length"] for g in seen]).mean()})

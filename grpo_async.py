@@ -52,6 +52,7 @@ from utils.models import for_training, load_tokenizer, resolve_model
 from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
+from utils.rollout_page import token_recorder
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step,
                         new_checkpoint, open_metrics, quiet_libraries, resume_checkpoint, run_name, save_model,
                         step_metrics, tail_fraction, write_eval_only)
@@ -496,7 +497,7 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
-def update_policy(args, model, optimizer, batch, accelerator):
+def update_policy(args, model, optimizer, batch, accelerator, page=None):
     """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats.
 
     pi_old is batch.old_logp when the loop computed it before the update (mu > 1); otherwise the policy has not moved
@@ -514,8 +515,8 @@ def update_policy(args, model, optimizer, batch, accelerator):
             num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
                                                                    minibatch.mask.sum()]), reduction="sum").clamp(min=1)
             micro = list(micro_batches(minibatch, args.micro_batch_size))
-            for j, (_, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward only, FSDP2
-                # in each (reduce-scattered into float32 shards: no full gradient held between micro-batches)
+            for j, (micro_rows, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward
+                # only, FSDP2 in each (reduce-scattered into float32 shards: no full gradient between micro-batches)
                 with contextlib.nullcontext() if j == len(micro) - 1 or accelerator.is_fsdp2 else accelerator.no_sync(
                         model):
                     logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
@@ -528,6 +529,9 @@ def update_policy(args, model, optimizer, batch, accelerator):
                         stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
                     loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
                                                       (num_seqs, num_tokens), args)
+                    if page is not None and epoch == args.num_epochs - 1:  # --html_every: what the loss saw
+                        page.record(rows[micro_rows], mc, logp, entropy, old_logp, advantages, compute_loss,
+                                    (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
                 m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
                 stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
@@ -647,8 +651,9 @@ def main(args):
         advantages = compute_advantages(all_rewards, args).view(world, -1)[rank]
         batch.advantages = advantages[:, None] * batch.mask  # A_i on each token of completion i, (B, T)
         # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
+        page = token_recorder(args.run, step, len(batch), G, accelerator.is_main_process)  # --html_every
         try:
-            stats = update_policy(args, model, optimizer, batch, accelerator)
+            stats = update_policy(args, model, optimizer, batch, accelerator, page)
         except FloatingPointError as e:
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
@@ -663,6 +668,9 @@ def main(args):
         stats.mean({"rollout/tail_frac": tail_fraction(generated)})  # this step's decoding, not the trained lengths
         if decode_calls is not None:  # HF forward passes or vLLM engine steps
             stats.mean({"rollout/decode_calls": decode_calls})
+        if page is not None:
+            page.write(run_dir, step, tokenizer, [r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy,
+                       "format": formats, "reward": rewards}, [sample.truncated for sample in samples], G)
         metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})

@@ -43,6 +43,7 @@ from utils.models import for_training, load_tokenizer, resolve_model
 from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, explained_variance, kl_k1, masked_whiten, pass_at_k, token_rewards
+from utils.rollout_page import token_recorder
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
                         quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
                         write_eval_only)
@@ -466,7 +467,7 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
-def update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer):
+def update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer, page=None):
     """mu = num_epochs * num_minibatches optimizer steps on one rollout batch, for the policy and, with its own
     optimizer on the same mini-batches, the critic -> the step's StepStats.
 
@@ -484,8 +485,8 @@ def update_policy(args, model, optimizer, batch, accelerator, critic, critic_opt
             num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
                                                                    minibatch.mask.sum()]), reduction="sum").clamp(min=1)
             micro = list(micro_batches(minibatch, args.micro_batch_size))
-            for j, (_, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward only, FSDP2
-                # in each (reduce-scattered into float32 shards: no full gradient held between micro-batches)
+            for j, (micro_rows, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward
+                # only, FSDP2 in each (reduce-scattered into float32 shards: no full gradient between micro-batches)
                 sync = j == len(micro) - 1 or accelerator.is_fsdp2
                 with contextlib.nullcontext() if sync else accelerator.no_sync(model), (
                         contextlib.nullcontext() if sync else accelerator.no_sync(critic)):
@@ -499,6 +500,9 @@ def update_policy(args, model, optimizer, batch, accelerator, critic, critic_opt
                         stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
                     loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
                                                       (num_seqs, num_tokens), args)
+                    if page is not None and epoch == args.num_epochs - 1:  # --html_every: what the loss saw
+                        page.record(rows[micro_rows], mc, logp, entropy, old_logp, advantages, compute_loss,
+                                    (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
                     critic_loss, critic_means = value_loss(token_values(critic, mc), mc.old_values, mc.returns, mc.mask,
                                                            args.value_clip, num_tokens)
@@ -606,8 +610,9 @@ def main(args):
         advantages, batch.returns = gae(token_reward, batch.old_values, batch.mask, args.gamma, args.lam)
         batch.advantages = masked_whiten(advantages, batch.mask, all_reduce=all_reduce) * batch.mask
         # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
+        page = token_recorder(args.run, step, len(batch), G, accelerator.is_main_process)  # --html_every
         try:
-            stats = update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer)
+            stats = update_policy(args, model, optimizer, batch, accelerator, critic, critic_optimizer, page)
         except FloatingPointError as e:
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
@@ -619,6 +624,9 @@ def main(args):
         stats.add({"critic/return_mean": (batch.returns * batch.mask).sum() / num_tokens,
                    "critic/advantage_mean": (advantages * batch.mask).sum() / num_tokens,  # before whitening
                    **({"losses/kl": kl.sum() / num_tokens} if kl is not None else {})})
+        if page is not None:
+            page.write(run_dir, step, tokenizer, [r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy,
+                       "format": formats, "reward": rewards}, [sample.truncated for sample in samples], G)
         metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})

@@ -25,9 +25,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {  # name: (script, flags)
     "grpo": ("grpo.py", []),  # the paper: group z-score, seq-mean-token-mean, k3 KL in the loss (beta 0.04)
-    "dr_grpo": ("grpo.py", ["--scale_rewards", "none", "--loss_agg", "seq-mean-token-sum-norm", "--beta", "0"]),
-    "token_mean": ("grpo.py", ["--loss_agg", "token-mean"]),
-    "k3_is": ("grpo.py", ["--kl_estimator", "k3_is"]),
+    "dr_grpo": ("dr_grpo.py", []),  # unnormalized group-centered advantages, token sums over a constant, no KL
+    "lite_ppo": ("lite_ppo.py", []),  # group-mean, batch-std advantages, token-mean
+    "grpo_kl": ("grpo_kl.py", []),  # the KL term's gradient made unbiased (k2 in the loss)
+    "k3_is": ("grpo_kl.py", ["--kl_estimator", "k3_is"]),  # k3 weighted by pi_theta / pi_old
     "no_kl": ("grpo.py", ["--beta", "0"]),
     "vllm_cpu": ("grpo.py", ["--engine", "vllm"]),
     "dapo": ("dapo.py", []),  # each script with its own defaults
@@ -36,12 +37,12 @@ VARIANTS = {  # name: (script, flags)
     "aspo": ("aspo.py", []),
     "reinforce_pp": ("reinforce_pp.py", []),
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
-    "gdpo": ("grpo.py", ["--reward_norm", "normalize_then_sum"]),  # accuracy and format normalized separately
-    "top_entropy": ("grpo.py", ["--top_entropy_frac", "0.2"]),  # the policy gradient of the top 20 % tokens only
-    # the entropy-mechanism paper's setting: token-mean, 4 mini-batches (KL-Cov's penalty acts off-policy only)
-    "grpo_mu4": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4"]),
-    "clip_cov": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4", "--clip_cov_frac", "2e-4"]),
-    "kl_cov": ("grpo.py", ["--loss_agg", "token-mean", "--num_minibatches", "4", "--kl_cov_frac", "2e-3"]),
+    "gdpo": ("gdpo.py", []),  # accuracy and format normalized separately, then summed
+    "top_entropy": ("high_entropy.py", []),  # the policy gradient of the top 20 % tokens only
+    # the entropy-mechanism paper's methods act off-policy: 4 mini-batches (KL-Cov's penalty is 0 on the first)
+    "grpo_mu4": ("grpo.py", ["--num_minibatches", "4"]),
+    "clip_cov": ("clip_cov.py", ["--num_minibatches", "4"]),
+    "kl_cov": ("clip_cov.py", ["--method", "kl_cov", "--num_minibatches", "4"]),
     "grpo_async": ("grpo_async.py", []),  # partial rollouts: 1.5x groups in flight, staleness <= 1, TIS cap 2
     "grpo_async_vllm": ("grpo_async.py", ["--engine", "vllm"]),
     "async_no_is": ("grpo_async.py", ["--tis_cap", "0"]),  # the older tokens uncorrected

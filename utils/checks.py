@@ -27,8 +27,8 @@ def largest_divisor(n, at_most):
 
 def check_run_args(run, total_steps):
     """The run's plumbing flags (RunArgs) and the step count."""
-    check_positive(run, "reward_timeout", "eval_samples", "threads")
-    for name in ("eval_every", "save_every", "log_completions_every", "eval_temperature", "reward_workers",
+    check_positive(run, "reward_timeout", "eval_samples", "threads", "html_groups")
+    for name in ("eval_every", "save_every", "log_completions_every", "html_every", "eval_temperature", "reward_workers",
                  "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop"):
         if not getattr(run, name) >= 0:
             raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")

@@ -36,6 +36,11 @@ class RunArgs:
     """CPU threads per process for torch (more threads on a busy CPU is slower, not faster)"""
     log_completions_every: int = 25
     """print a few sample completions every N steps"""
+    html_every: int = 0
+    """write rollouts/step_N.html every N steps (0: never): a few groups, each token coloured by the weight the loss
+    gave its log-prob, its numbers on hover (utils/rollout_page.py)"""
+    html_groups: int = 4
+    """groups on that page: the step's last ones (the most off-policy mini-batch when there are several)"""
     # memory
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute each decoder layer in the backward pass instead of keeping its activations (auto: on for any model
@@ -133,7 +138,7 @@ def save_model(accelerator, model, tokenizer, path):
 
 
 UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track", "wandb_project",
-                 "log_completions_every", "self_check")  # flags that do not change what a run computes, or are in its name already
+                 "log_completions_every", "html_every", "html_groups", "self_check")  # flags that do not change what a run computes, or are in its name already
 
 
 def run_name(script, args, exp_name, model, task, seed):
