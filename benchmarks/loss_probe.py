@@ -234,8 +234,8 @@ def write_results(cli, context, results):
     command = "python benchmarks/loss_probe.py " + " ".join(sys.argv[1:])
     lines = [f"# {name}", "", f"Command: `{command.strip()}`", "",
              f"{context['completions']} completions ({context['tokens']} tokens) of {context['model']} on "
-             f"{context['task']}, mean reward {context['reward_mean']:.3f}; the policy then took {context['moves']} GRPO "
-             f"optimizer steps on them (lr {context['learning_rate']:g}): |pi_theta/pi_old - 1| median "
+             f"{context['task']}, mean reward {context['reward_mean']:.3f}; the policy then took {context['moves']} "
+             f"GRPO optimizer steps on them (lr {context['learning_rate']:g}): |pi_theta/pi_old - 1| median "
              f"{context['ratio_dev_median']:.2e}, max {context['ratio_dev_max']:.2e}, outside [0.8, 1.2]: "
              f"{context['outside_clip_0.2']:.2%} of the tokens. {context['seconds']:.0f} s in all.", "",
              "The policy-gradient terms (the loss with beta = 0) against GRPO's; the KL term's gradient apart, as a "

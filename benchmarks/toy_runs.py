@@ -1,7 +1,7 @@
 """Learning curves on the embedded toy task: each variant over several seeds, as a table and a PNG.
 
     python benchmarks/toy_runs.py                       # grpo (paper defaults), 3 seeds, 200 steps
-    python benchmarks/toy_runs.py --variants grpo dr_grpo token_mean --seeds 1 2 3
+    python benchmarks/toy_runs.py --variants grpo dr_grpo lite_ppo --seeds 1 2 3
     python benchmarks/toy_runs.py --variants grpo vllm_cpu --seeds 1 --steps 60   # engine step-time ratio
     python benchmarks/toy_runs.py --variants grpo dapo gspo cispo aspo reinforce_pp reinforce_pp_baseline ppo --jobs 2
     python benchmarks/toy_runs.py --variants ppo ppo_groups ppo_256_prompts ppo_1_epoch --steps 80 --jobs 2
