@@ -176,6 +176,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="grpo.py's --model (default: the embedded toy)")
     parser.add_argument("--task", default="toy")
+    parser.add_argument("--instruction", default="system", choices=["system", "user"])
     parser.add_argument("--prompts", type=int, default=32, help="prompts in the batch (each with 8 completions)")
     parser.add_argument("--max_new_tokens", type=int, default=None)
     parser.add_argument("--moves", type=int, default=2, help="GRPO optimizer steps on the batch before the probe")
@@ -187,8 +188,9 @@ def main():
     torch.set_num_threads(cli.threads)
     start = time.time()
     grpo = load_script("grpo.py")
-    fields = {"task": cli.task, "prompts_per_step": cli.prompts, "seed": cli.seed, "learning_rate": cli.learning_rate,
-              "max_new_tokens": cli.max_new_tokens, **({"model": cli.model} if cli.model else {})}
+    fields = {"task": cli.task, "instruction": cli.instruction, "prompts_per_step": cli.prompts, "seed": cli.seed,
+              "learning_rate": cli.learning_rate, "max_new_tokens": cli.max_new_tokens,
+              **({"model": cli.model} if cli.model else {})}
     args = grpo.resolve_args(grpo.Args(**fields), 1)
     rollout, policy, accelerator, grpo = collect_rollout(args, cli.prompts, cli.moves, cli.seed)
     mask = rollout["batch"].mask.bool()
