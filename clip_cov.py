@@ -11,10 +11,10 @@ and on a small fraction of the N valid tokens:
 - Clip-Cov (--method clip_cov, the default): k = max(1, floor(clip_cov_frac * N)) tokens drawn uniformly among those
   whose Cov_t lies in (1, 5) (the paper's omega_low, omega_high: CLIP_COV_BOUNDS) and that the ratio clip has not
   clipped already get no policy gradient; the rest is grpo.py's loss.
-- KL-Cov (--method kl_cov): the surrogate is r_t A_t without the ratio clip, and the floor(kl_cov_frac * N) tokens of
-  highest Cov_t also pay KL_COV_COEF |log pi_theta - log pi_old| (coefficient 1). At r = 1 that penalty's gradient is
-  0: on the first mini-batch KL-Cov is the plain policy gradient; it holds the selected tokens near pi_old only
-  off-policy (mu > 1: --num_minibatches, --num_epochs).
+- KL-Cov (--method kl_cov): the surrogate is r_t A_t without the ratio clip, and the max(1, floor(kl_cov_frac * N))
+  tokens of highest Cov_t also pay KL_COV_COEF |log pi_theta - log pi_old| (coefficient 1). At r = 1 that penalty's
+  gradient is 0: on the first mini-batch KL-Cov is the plain policy gradient; it holds the selected tokens near pi_old
+  only off-policy (mu > 1: --num_minibatches, --num_epochs).
 
 Worked example: log-probs (-0.1, -2.0) on two tokens with advantages (1, -1) have means -1.05 and 0, so Cov =
 (0.95 * 1, -0.95 * -1) = (0.95, 0.95). As the authors' implementation (verl's clip_cov and kl_cov losses) the means,
@@ -78,8 +78,8 @@ class Args:
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
     task: str = "toy"
-    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
-    train.* and test.*) of {prompt, answer} rows"""
+    """toy, toy_mul, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder
+    with train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"

@@ -65,8 +65,8 @@ class Args:
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
     task: str = "toy"
-    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
-    train.* and test.*) of {prompt, answer} rows"""
+    """toy, toy_mul, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder
+    with train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"

@@ -22,7 +22,8 @@ version stale. --max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested).
 
 What `diff grpo.py grpo_async.py` shows: the async flags (and --tis_cap on by default: it is the staleness
 correction), generation that stops once enough groups are complete (generate_partial, PartialDecoder), the carried
-groups in the training loop with their staleness metrics, and the checkpoint that saves them.
+groups in the training loop with their staleness metrics, the checkpoint that saves them, and update_policy's
+log-prob gap measured on the tokens this step's weights sampled (older ones were sampled by older weights).
 """
 
 import contextlib
@@ -75,8 +76,8 @@ class Args:
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
     task: str = "toy"
-    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
-    train.* and test.*) of {prompt, answer} rows"""
+    """toy, toy_mul, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder
+    with train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"

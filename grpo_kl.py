@@ -62,15 +62,16 @@ class Args:
     clip_eps: float = 0.2
     """the ratio is clipped to [1 - clip_eps, 1 + clip_eps] (it acts only when mu > 1)"""
     beta: float = 0.04
-    """coefficient of the k3 KL to the initial policy in the loss; 0 loads no reference model"""
+    """coefficient of the KL to the initial policy (its estimator and place: --kl_estimator); 0 loads no reference
+    model"""
     adv_eps: float = 1e-6
     """added to the group's std in the advantage"""
     # model and task
     model: str = TOY_MODEL_DIR
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
     task: str = "toy"
-    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
-    train.* and test.*) of {prompt, answer} rows"""
+    """toy, toy_mul, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder
+    with train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"

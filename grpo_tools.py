@@ -72,8 +72,8 @@ class Args:
     model: str = os.path.join(TOY_MODEL_DIR, "tools")
     """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
     task: str = "toy_mul"
-    """toy, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder with
-    train.* and test.*) of {prompt, answer} rows"""
+    """toy, toy_mul, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder
+    with train.* and test.*) of {prompt, answer} rows"""
     answer_format: Literal["boxed", "answer_tags"] = "boxed"
     """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
     instruction: Literal["system", "user"] = "system"
@@ -112,12 +112,13 @@ class Args:
     max_tool_tokens: int = 64
     """tokens of one tool output block at most (its text is cut to fit)"""
     tool_timeout: float = 5.0
-    """seconds a tool call may run; past it, the process running it is killed and the call gets an error"""
+    """CPU seconds a tool call may use (code that waits instead is stopped at 3x this + 5 s of wall time); past it, the
+    process running it is killed and the call gets an error"""
     tool_memory_mb: int = 512
     """address-space limit of each sandbox process, on top of what it maps at start"""
     tool_modules: tuple[str, ...] = ("math", "fractions", "statistics")
-    """modules each sandbox process imports at start: free to import in a call (a root trainer's sandbox runs as the
-    user nobody, who may not be able to read others); add numpy sympy for math tools (each call then costs more)"""
+    """modules each sandbox process imports at start: free to import in a call (a call runs as an unprivileged user,
+    which may not be able to read others); add numpy sympy for math tools (each call then costs more)"""
     # engine/trainer mismatch
     tis_cap: float = 0.0
     """if > 0, weight the policy gradient by pi_old / pi_engine bounded by this cap (--tis_mode): the engine samples

@@ -1,8 +1,8 @@
 """utils/rl.py and utils/batch.py against reference numbers computed by hand (NumPy, float64) from each formula: the
 KL estimators of Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv 2506.09477; the
 estimators of grpo_kl.py: test_grpo_kl.py), GRPO's group z-score (arXiv 2402.03300 §4.1.2), token-weighted
-whitening (REINFORCE++ arXiv 2501.03262), pass@k, the micro-batches; and the loss aggregations, which are now each
-script's compute_loss: their values by hand and their invariance to how a mini-batch is cut into micro-batches."""
+whitening (REINFORCE++ arXiv 2501.03262), pass@k, the micro-batches; and the loss aggregations of the scripts'
+compute_loss: their values by hand and their invariance to how a mini-batch is cut into micro-batches."""
 
 import importlib
 

@@ -29,6 +29,7 @@ def run_one_step(tmp_path, script, *flags):
     return page, data
 
 
+@pytest.mark.slow  # a one-step run
 def test_grpo_page_weights_are_the_clipped_objectives_gradient(tmp_path):
     """Two mini-batches: the page shows the second (its rows trained after one optimizer step), where ratios differ
     from 1. Each token's weight is -dL/dlogp * N of the GRPO loss (arXiv 2402.03300, eq. 3, k3 KL with beta 0.04):
@@ -67,6 +68,7 @@ def test_grpo_page_weights_are_the_clipped_objectives_gradient(tmp_path):
     assert not re.search(r"(src|href)=|https?://|<link|<script(?! type='application/json')", page)  # self-contained
 
 
+@pytest.mark.slow  # a one-step run
 def test_high_entropy_page_trains_the_top_entropy_tokens_only(tmp_path):
     """high_entropy.py (arXiv 2506.01939): the policy gradient flows through the top 20 % tokens by entropy; on the
     page every other token with an advantage is flagged and has weight 0 (on-policy, beta 0.04: the KL gradient is 0

@@ -163,11 +163,10 @@ def test_a_call_writes_only_its_own_tmp():
 
 
 def test_a_call_is_timed_by_its_cpu_not_by_a_loaded_machine():
-    """The cause of a sandbox test that failed under load: a call was killed once `timeout` seconds of wall clock had
-    passed, so on a machine whose cores were busy an honest call waiting for one timed out. A call now has `timeout`
-    seconds of CPU: here 0.6 s of CPU work while a busy process shares its one core (both pinned to it) ends with its
-    answer, an endless loop is stopped for its CPU, and code that only waits is stopped by the wall-clock bound
-    (3 timeout + 5 s)."""
+    """A call is limited by the CPU it uses, not by the wall clock (which on a machine whose cores are busy would cut
+    an honest call waiting for one): ceil(timeout) seconds of CPU. Here 0.6 s of CPU work while a busy process shares
+    its one core (both pinned to it) ends with its answer, an endless loop is stopped for its CPU, and code that only
+    waits is stopped by the wall-clock bound (3 timeout + 5 s)."""
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs CPU affinity")
     work = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\nprint('done')")

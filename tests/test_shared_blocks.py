@@ -50,6 +50,7 @@ ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ,
     "num_epochs": ("ppo.py",),  # each paper's off-policy regime: mu = num_epochs * num_minibatches
     "num_minibatches": "*",
     "tis_cap": ("grpo_async.py",),  # on by default: it is the staleness correction
+    "beta": ("grpo_kl.py",),  # the KL's estimator and place are its --kl_estimator
 }
 
 

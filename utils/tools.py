@@ -697,7 +697,7 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
     with its sandbox process, takes a session of its own, reads its code, enters fresh mount and IPC namespaces,
     mounts its private /tmp (its working folder), becomes the call's user (a root trainer's: one no other running
     call has; in a user namespace: no capability left), keeps no file but its result pipe, may start no process or
-    thread (RLIMIT_NPROC 0), has timeout + 2 s of CPU, runs the code with its output capped (under its sandbox
+    thread (RLIMIT_NPROC 0), has cpu_limit(timeout) s of CPU, runs the code with its output capped (under its sandbox
     process's system-call filter), and writes (output, error) as JSON to its result pipe."""
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
