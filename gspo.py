@@ -21,7 +21,6 @@ the paper's experiments), and 4 mini-batches per rollout batch (mu = 4: on the f
 grpo.py's policy gradient; it differs only off-policy).
 """
 
-import contextlib
 import importlib.util
 import os
 import sys
@@ -41,7 +40,8 @@ from utils.logprobs import token_logprobs as chunked_token_logprobs
 from utils.lora import AdaptersOff
 from utils.memory import memory_line, trainer_memory
 from utils.models import for_training, load_tokenizer, resolve_model
-from utils.parallel import free_port, make_accelerator, policy_weights, prepare_reference
+from utils.parallel import (clip_gradients, free_port, gradient_sync, make_accelerator, policy_weights,
+                            prepare_reference)
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
 from utils.rollout_page import token_recorder
@@ -404,13 +404,11 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
 
 
 def update_policy(args, model, optimizer, batch, accelerator, page=None):
-    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats.
-
-    pi_old is batch.old_logp when the loop computed it before the update (mu > 1); otherwise the policy has not moved
-    since the rollout, and this pass's own detached log-probs are pi_old's (one forward pass saved, as verl and TRL
-    do). The first mini-batch comes in the rollout's order, so its ratio is exactly 1. Normalizers count the whole
-    mini-batch over its micro-batches and every process. A non-finite gradient norm raises FloatingPointError before
-    the optimizer step, so NaN never reaches the weights."""
+    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats. pi_old is
+    batch.old_logp when the loop computed it (mu > 1), else this pass's own detached log-probs (the policy has not moved
+    since the rollout: a forward pass saved, as verl and TRL do); the first mini-batch comes in the rollout's order, so
+    its ratio is exactly 1. Normalizers count the mini-batch over its micro-batches and processes. A non-finite
+    gradient norm raises FloatingPointError before the optimizer step: NaN never reaches the weights."""
     stats, size, mu = StepStats(), len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
     batch_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
     for epoch in range(args.num_epochs):
@@ -420,10 +418,8 @@ def update_policy(args, model, optimizer, batch, accelerator, page=None):
             num_seqs, num_tokens = accelerator.reduce(torch.stack([minibatch.mask.new_tensor(size),
                                                                    minibatch.mask.sum()]), reduction="sum").clamp(min=1)
             micro = list(micro_batches(minibatch, args.micro_batch_size))
-            for j, (micro_rows, mc) in enumerate(micro):  # DDP reduces gradients in the last micro-batch's backward
-                # only, FSDP2 in each (reduce-scattered into float32 shards: no full gradient between micro-batches)
-                with contextlib.nullcontext() if j == len(micro) - 1 or accelerator.is_fsdp2 else accelerator.no_sync(
-                        model):
+            for j, (micro_rows, mc) in enumerate(micro):
+                with gradient_sync(accelerator, model, last_micro_batch=j == len(micro) - 1):  # DDP: in the last only
                     logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
                     old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
                     advantages = mc.advantages
@@ -449,8 +445,7 @@ def update_policy(args, model, optimizer, batch, accelerator, page=None):
                 if epoch == 0 and k == 0 and mc.old_logp is not None:  # pi_old from its own pass must equal pi_theta
                     stats.max({"policy/first_minibatch_ratio_dev_max": ((logp.detach() - old_logp).exp() - 1).abs()
                                .mul(mc.mask).max()})
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: DTensor
+            grad_norm = clip_gradients(accelerator, model, args.max_grad_norm)
             if not torch.isfinite(grad_norm):  # one host sync per optimizer step
                 raise FloatingPointError(f"non-finite gradient norm in epoch {epoch}, mini-batch {k}")
             stats.mean({"policy/grad_norm": grad_norm}, 1 / mu)

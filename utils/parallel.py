@@ -2,6 +2,7 @@
 processes too), the frozen reference model sharded like the policy, the policy's full weights one tensor at a time for
 the rollout engine, a free port for an engine of its own, and the vLLM versions the engine code supports."""
 
+import contextlib
 import os
 import socket
 
@@ -51,6 +52,20 @@ def prepare_reference(accelerator, model):
     model = accelerator.prepare_model(model.eval().requires_grad_(False), evaluation_mode=True)
     accelerator._models.remove(model)  # prepare_model registered it for save_state
     return model
+
+
+def gradient_sync(accelerator, model, last_micro_batch):
+    """The context of one micro-batch's backward pass: DDP all-reduces the accumulated gradients in the last
+    micro-batch's backward only (no_sync before it); FSDP2 reduce-scatters each micro-batch's into float32 shards, so
+    no full gradient is kept between micro-batches."""
+    return contextlib.nullcontext() if last_micro_batch or accelerator.is_fsdp2 else accelerator.no_sync(model)
+
+
+def clip_gradients(accelerator, model, max_norm):
+    """Clip the gradients' global norm to max_norm -> the norm before clipping, a plain tensor (FSDP2 returns a
+    DTensor)."""
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def policy_weights(model, accelerator):
