@@ -2,8 +2,15 @@
 engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (grpo.py's decode
 loop), using grpo.py's own functions (create_engine, generate, batched_logprobs, update_policy).
 
-    python benchmarks/gpu_step.py                                  # one GPU: Qwen2.5-0.5B shape, 256 x 256 tokens
-    python benchmarks/gpu_step.py --shape tiny --engines hf --steps 2 --prompts 4 --new_tokens 16   # CPU check
+The steps cycle through the vLLM sleep levels (--sleep_levels: 2 drops the weights, 1 keeps them in CPU memory) and
+then the betas (--betas: 0 skips the reference pass); each step reports its phases' times and CUDA peaks (rollout,
+reference, train). The trainer's peak is set against the estimate the runs print at start (utils/memory.py). The last
+update is then repeated from a checkpoint saved before it: resume is exact when the loss and gradient norm are the
+same. --fsdp also runs every engine under FSDP2 with one process (accelerate launch --config_file configs/fsdp2.yaml):
+the sharded policy and reference, the weights gathered for the push, the sharded checkpoint.
+
+    python benchmarks/gpu_step.py --fsdp                           # one GPU: Qwen2.5-0.5B shape, 256 x 256 tokens
+    python benchmarks/gpu_step.py --shape tiny --engines hf --prompts 4 --new_tokens 16 --fsdp   # CPU check
     python benchmarks/gpu_step.py --tail --engines vllm          # grpo.py's rollout vs grpo_async.py's, long tail
 
 --tail times rollouts only, on long-tailed lengths: a fraction --stop_frac of the vocabulary ends a completion, so with
@@ -19,9 +26,11 @@ One JSON object per engine goes to --out and a table to stdout.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +43,8 @@ sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 import grpo_async  # noqa: E402
 from utils.batch import make_batch  # noqa: E402
-from utils.runs import RunArgs, quiet_libraries  # noqa: E402
+from utils.memory import trainer_memory  # noqa: E402
+from utils.runs import RunArgs, load_checkpoint, quiet_libraries, save_checkpoint  # noqa: E402
 
 SHAPES = {  # Qwen2.5-0.5B's config; tiny: the same architecture at a size a CPU runs in seconds
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -65,20 +75,34 @@ def gpu_memory_gb():
     return {"used_gb": (total - free) / 2**30, "allocated_gb": torch.cuda.memory_allocated() / 2**30}
 
 
-def run_engine(engine_name, opts, model_dir):
-    from accelerate import Accelerator
+def phase_peak_gb():
+    """The CUDA allocator's peak since the last call, GB (None on a CPU); the next phase's peak starts here."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
+
+def run_engine(engine_name, opts, model_dir):
+    """GRPO steps with grpo.py's functions, the steps cycling through the sleep levels (vLLM on a GPU) and the betas
+    of --sleep_levels and --betas; then the resume check: the last step's update repeated on the same batch from a
+    checkpoint saved before it must give the same loss and gradient norm."""
     on_gpu = torch.cuda.is_available()
     run = RunArgs(engine=engine_name, eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization)
     args = grpo.resolve_args(grpo.Args(model=model_dir, task="toy", max_new_tokens=opts.new_tokens,
                                        max_prompt_length=opts.prompt_len, num_generations=opts.generations,
                                        prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
-                                       learning_rate=1e-6, beta=0.04, run=run), 1)
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
+                                       learning_rate=1e-6, beta=max(opts.betas), run=run), 1)
+    accelerator = grpo.make_accelerator()  # bf16 on a GPU; FSDP2 under configs/fsdp2.yaml (--fsdp)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model, optimizer, ref_model = grpo.load_models(args, tokenizer, accelerator, with_reference=True)
+    model, optimizer, ref_model = grpo.load_models(args, tokenizer, accelerator, with_reference=max(opts.betas) > 0)
+    seq_len = opts.prompt_len + opts.new_tokens
+    estimate = trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size, seq_len, opts.new_tokens)
     result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-              "memory_trainer_loaded": gpu_memory_gb()}
+              "fsdp2": accelerator.is_fsdp2, "memory_trainer_loaded": gpu_memory_gb(),
+              "trainer_estimate_gb": estimate["total"] / 2**30}
     start = time.time()
     engine = grpo.create_engine(args, accelerator, stop_ids)
     result["engine_start_s"] = time.time() - start
@@ -91,41 +115,57 @@ def run_engine(engine_name, opts, model_dir):
         result["sleep_s"] = time.time() - start
         result["memory_engine_slept"] = gpu_memory_gb()
     generator = torch.Generator().manual_seed(1)
-    steps = []
-    for step in range(1, opts.steps + 1):
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        prompts = torch.randint(3, SHAPES[opts.shape]["vocab_size"], (opts.prompts, opts.prompt_len),
-                                generator=generator).tolist()
-        times = {"start": time.time()}
-        samples, sync_time = grpo.generate(engine, model, tokenizer, prompts, opts.generations, 1.0, 1.0,
-                                           opts.new_tokens, accelerator, policy_version=step - 1)
-        times["rollout"] = time.time()
-        batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples, tokenizer.pad_token_id,
-                           accelerator.device)
-        batch.ref_logp = grpo.batched_logprobs(ref_model, batch, args.temperature, len(batch), args.micro_batch_size)
-        times["reference"] = time.time()
-        rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
-        batch.advantages = grpo.compute_advantages(rewards, args)[:, None] * batch.mask
-        stats = grpo.update_policy(args, model, optimizer, batch, accelerator)
-        if on_gpu:
-            torch.cuda.synchronize()
-        times["train"] = time.time()
-        tokens = int(batch.mask.sum().item())
-        steps.append({"step": step, "rollout_s": times["rollout"] - times["start"],
-                      "weight_sync_s": sync_time,
-                      "reference_s": times["reference"] - times["rollout"], "train_s": times["train"] - times["reference"],
-                      "step_s": times["train"] - times["start"], "tokens": tokens,
-                      "tokens_per_s": tokens / (times["rollout"] - times["start"]),
-                      "truncated_frac": sum(t for *_, t in samples) / len(samples),
-                      "logprob_gap_mean": float(stats.sums["rollout/logprob_gap_mean"]),
-                      "logprob_gap_max": float(stats.maxes["rollout/logprob_gap_max"]),
-                      "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None})
+    steps, checkpoint = [], None
+    with tempfile.TemporaryDirectory() as run_dir:
+        for step in range(1, opts.steps + 1):
+            sleep_level = opts.sleep_levels[(step - 1) % len(opts.sleep_levels)]
+            beta = opts.betas[(step - 1) // len(opts.sleep_levels) % len(opts.betas)]
+            step_args = dataclasses.replace(args, beta=beta)
+            engine.sleep_level = sleep_level
+            phase_peak_gb()
+            prompts = torch.randint(3, SHAPES[opts.shape]["vocab_size"], (opts.prompts, opts.prompt_len),
+                                    generator=generator).tolist()
+            times = {"start": time.time()}
+            samples, sync_time = grpo.generate(engine, model, tokenizer, prompts, opts.generations, 1.0, 1.0,
+                                               opts.new_tokens, accelerator, policy_version=step - 1)
+            times["rollout"], peaks = time.time(), {"rollout": phase_peak_gb()}
+            batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples,
+                               tokenizer.pad_token_id, accelerator.device)
+            if beta > 0:
+                batch.ref_logp = grpo.batched_logprobs(ref_model, batch, args.temperature, len(batch),
+                                                       args.micro_batch_size)
+            times["reference"], peaks["reference"] = time.time(), phase_peak_gb()
+            rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
+            batch.advantages = grpo.compute_advantages(rewards, args)[:, None] * batch.mask
+            if step == opts.steps:  # the resume check's starting point: a checkpoint before the last update
+                save_checkpoint(accelerator, model, tokenizer, run_dir, step - 1)
+                checkpoint = os.path.join(run_dir, "checkpoint")
+            stats = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
+            times["train"], peaks["train"] = time.time(), phase_peak_gb()
+            tokens = int(batch.mask.sum().item())
+            steps.append({"step": step, "sleep_level": sleep_level if engine.asleep else None, "beta": beta,
+                          "rollout_s": times["rollout"] - times["start"], "weight_sync_s": sync_time,
+                          "reference_s": times["reference"] - times["rollout"],
+                          "train_s": times["train"] - times["reference"], "step_s": times["train"] - times["start"],
+                          "tokens": tokens, "tokens_per_s": tokens / (times["rollout"] - times["start"]),
+                          "truncated_frac": sum(t for *_, t in samples) / len(samples),
+                          "logprob_gap_mean": float(stats.sums["rollout/logprob_gap_mean"]),
+                          "logprob_gap_max": float(stats.maxes["rollout/logprob_gap_max"]),
+                          "loss": float(stats.sums["losses/policy"]),
+                          "grad_norm": float(stats.means["policy/grad_norm"]),
+                          **{f"peak_{phase}_gb": gb for phase, gb in peaks.items()}})
+        load_checkpoint(accelerator, checkpoint)  # the last update again, from the checkpoint before it
+        again = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
+        loss, grad_norm = float(again.sums["losses/policy"]), float(again.means["policy/grad_norm"])
+        result["resume"] = {"loss": loss, "grad_norm": grad_norm,
+                            "equal": loss == steps[-1]["loss"] and grad_norm == steps[-1]["grad_norm"]}
     result["steps"] = steps
     later = steps[1:] or steps  # the first step pays compilation and allocator warm-up
     result["median"] = {k: statistics.median(s[k] for s in later) for k in
                         ("rollout_s", "weight_sync_s", "reference_s", "train_s", "step_s", "tokens_per_s",
                          "logprob_gap_mean")}
+    trained = [s["peak_train_gb"] for s in steps if s["peak_train_gb"] is not None]
+    result["trainer_peak_gb"] = max(trained) if trained else None  # against trainer_estimate_gb
     engine.llm = None
     return result
 
@@ -203,6 +243,12 @@ def main():
     parser.add_argument("--micro_batch_size", type=int, default=32)
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sleep_levels", nargs="+", type=int, default=[2, 1], choices=[1, 2],
+                        help="the steps cycle through these vLLM sleep levels (a GPU's sleep mode)")
+    parser.add_argument("--betas", nargs="+", type=float, default=[0.04, 0.0],
+                        help="then through these betas (0: no reference pass, no KL term)")
+    parser.add_argument("--fsdp", action="store_true", help="also run each engine under FSDP2 with one process "
+                        "(accelerate launch --config_file configs/fsdp2.yaml)")
     parser.add_argument("--tail", action="store_true", help="time grpo.py's rollout against grpo_async.py's")
     parser.add_argument("--stop_frac", type=float, default=1 / 64, help="--tail: the vocabulary fraction that stops")
     parser.add_argument("--overprovision", type=float, default=1.5, help="--tail: grpo_async.py's groups in flight")
@@ -216,6 +262,8 @@ def main():
         build_model(opts.shape, model_dir)
         for engine_name in opts.engines:
             results.append((run_tail if opts.tail else run_engine)(engine_name, opts, model_dir))
+    if opts.fsdp and not opts.tail:
+        results += under_fsdp2(opts)
     os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     with open(opts.out, "a") as f:
         for r in results:
@@ -229,13 +277,36 @@ def main():
                   f"{r['rollout_ratio']:.2f}x | {s['decode_calls']:.0f} | {a['decode_calls']:.0f} | "
                   f"{s['trained_tokens']:.0f} | {a['trained_tokens']:.0f} |")
         return results
-    print("| engine | device | step s | rollout s | weight sync s | reference s | train s | tokens/s | gap mean | "
-          "engine start s |\n|" + "---|" * 10)
+    print("| engine | FSDP2 | device | step s | rollout s | weight sync s | reference s | train s | tokens/s | "
+          "gap mean | engine start s | trainer peak / estimate GB | resume exact |\n|" + "---|" * 13)
     for r in results:
         m = r["median"]
-        print(f"| {r['engine']} | {r['device']} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['weight_sync_s']:.3f} | "
-              f"{m['reference_s']:.2f} | {m['train_s']:.2f} | {m['tokens_per_s']:.0f} | {m['logprob_gap_mean']:.2e} | "
-              f"{r['engine_start_s']:.1f} |")
+        peak = "-" if r["trainer_peak_gb"] is None else f"{r['trainer_peak_gb']:.2f}"
+        print(f"| {r['engine']} | {r['fsdp2']} | {r['device']} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | "
+              f"{m['weight_sync_s']:.3f} | {m['reference_s']:.2f} | {m['train_s']:.2f} | {m['tokens_per_s']:.0f} | "
+              f"{m['logprob_gap_mean']:.2e} | {r['engine_start_s']:.1f} | {peak} / {r['trainer_estimate_gb']:.2f} | "
+              f"{r['resume']['equal']} |")
+    return results
+
+
+def under_fsdp2(opts):
+    """The same steps under FSDP2 with one process, each engine in its own launch of this script -> their results."""
+    results = []
+    for engine_name in opts.engines:
+        with tempfile.TemporaryDirectory() as folder:
+            out = os.path.join(folder, "fsdp2.jsonl")
+            argv = [a for a in sys.argv[1:] if a != "--fsdp"]
+            for flag in ("--engines", "--out"):  # this launch's own
+                if flag in argv:
+                    i = argv.index(flag)
+                    j = next((k for k in range(i + 1, len(argv)) if argv[k].startswith("--")), len(argv))
+                    del argv[i:j]
+            subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                            os.path.join(ROOT, "configs", "fsdp2.yaml"), "--num_processes", "1", "--num_machines",
+                            "1", "--mixed_precision", "bf16" if torch.cuda.is_available() else "no",
+                            "--dynamo_backend", "no", os.path.abspath(__file__), *argv, "--engines", engine_name,
+                            "--out", out], check=True)
+            results += [json.loads(line) for line in open(out)]
     return results
 
 

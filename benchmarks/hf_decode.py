@@ -1,4 +1,4 @@
-"""The HF engine's decode loop (utils.hf_engine.hf_generate) against transformers' generate() on the same model and prompts.
+"""The HF engine's decode loop (utils.hf_engine.HFDecoder) against transformers' generate(), same model and prompts.
 
     python benchmarks/hf_decode.py                       # embedded model: 32 prompts x 8 samples, 48 new tokens
     python benchmarks/hf_decode.py --repeats 9 --prompts 16
@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
-from utils.hf_engine import hf_generate  # noqa: E402
-from utils.checks import resolve_args  # noqa: E402
+from utils.hf_engine import HFDecoder  # noqa: E402
+from utils.runs import RunArgs  # noqa: E402
 
 
 def main():
@@ -33,10 +33,10 @@ def main():
     from accelerate import Accelerator
     from transformers import GenerationConfig
 
-    args = resolve_args(grpo.Args(model=opts.model), grpo.check_algorithm_args)
+    args = grpo.resolve_args(grpo.Args(model=opts.model, run=RunArgs(engine="hf")), 1)
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args, tokenizer).eval()
+    model = grpo.load_model(args.model, tokenizer).eval()
     prompts = [tokenizer(f"{i % 100:02d}+{(7 * i) % 100:02d}=", add_special_tokens=False)["input_ids"]
                for i in range(opts.prompts)]
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=opts.new_tokens, use_cache=True,
@@ -51,11 +51,11 @@ def main():
                        for row in out.tolist()))
 
     def decode_loop():
-        samples = hf_generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0, opts.new_tokens, accelerator,
-                              stop_ids)
+        samples = HFDecoder(stop_ids).generate(model, tokenizer, prompts, opts.generations, 1.0, 1.0, opts.new_tokens,
+                                               accelerator)
         return sum(len(sample.token_ids) for sample in samples)
 
-    sides = {"transformers generate()": transformers_generate, "hf_generate": decode_loop}
+    sides = {"transformers generate()": transformers_generate, "HFDecoder.generate": decode_loop}
     times, tokens = {name: [] for name in sides}, {name: [] for name in sides}
     for repeat in range(opts.repeats + 1):
         for name, fn in sides.items():

@@ -1,6 +1,6 @@
 """How well a model starts on a task under each placement of the answer-format instruction (--instruction): a system
-turn, or after the question in the user turn. Greedy and sampled (T = 1, the rollouts' temperature) accuracy and format rate of the
-untrained model on held-out problems, through grpo.py's own engine and scorer.
+turn, or after the question in the user turn. Greedy and sampled (T = 1, the rollouts' temperature) accuracy and format
+rate of the untrained model on held-out problems, through grpo.py's own engine and scorer.
 
     python benchmarks/prompt_start.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=2,max_digits=2
 
@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
-from utils.checks import resolve_args  # noqa: E402
 from utils.rewards import RewardScorer  # noqa: E402
+from utils.runs import RunArgs  # noqa: E402
 from utils.tasks import format_prompt, load_task  # noqa: E402
 
 
@@ -35,18 +35,20 @@ def main():
     torch.manual_seed(0)
     from accelerate import Accelerator
 
-    args = resolve_args(grpo.Args(model=opts.model, task=opts.task, answer_format=opts.answer_format,
-                                  max_new_tokens=opts.max_new_tokens, engine="hf"), grpo.check_algorithm_args)
+    args = grpo.resolve_args(grpo.Args(model=opts.model, task=opts.task, answer_format=opts.answer_format,
+                                       max_new_tokens=opts.max_new_tokens, run=RunArgs(engine="hf")), 1)
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args, tokenizer).eval()
+    model = grpo.load_model(args.model, tokenizer).eval()
     engine = grpo.create_engine(args, accelerator, stop_ids)
-    rows = load_task(args.task, "test", tokenizer, args.answer_format)[0][:opts.problems]
+    rows = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length)[0][:opts.problems]
     lines = [f"\n`python benchmarks/prompt_start.py --model {opts.model} --task {opts.task} --problems {opts.problems}"
              f" --samples {opts.samples} --max_new_tokens {opts.max_new_tokens}`\n",
-             "| --instruction | greedy accuracy | greedy format | sampled accuracy (T=1) | sampled format | mean length |",
+             "| --instruction | greedy accuracy | greedy format | sampled accuracy (T=1) | sampled format "
+             "| mean length |",
              "|---|---|---|---|---|---|"]
-    with RewardScorer(args.task, args.answer_format, 1) as scorer:
+    run = args.run
+    with RewardScorer(args.task, args.answer_format, 1, run.reward_timeout, run.reward_memory_mb) as scorer:
         for placement in ("system", "user"):  # --instruction
             prompts = [tokenizer(format_prompt(tokenizer, r["question"], args.answer_format, placement),
                                  add_special_tokens=False)["input_ids"] for r in rows]

@@ -4,11 +4,13 @@ never move) on one rollout batch of the embedded model, timed in one process wit
 
     python benchmarks/trainer_passes.py                 # micro-batch sizes and SDPA backends, ~1 minute
     python benchmarks/trainer_passes.py --compile       # also torch.compile(dynamic=True): minutes of compiling
+    python benchmarks/trainer_passes.py --prompts 2 --repeats 1 --out /tmp/trainer_passes.md   # seconds: a check
 
 Variants: grpo.py's default (micro-batches of 32 sorted by completion length, SDPA's flash kernel, eager modules);
 micro-batches of 16, 64, 128; SDPA's math backend; two other ways to compute the same log-probs (functions
 below: each prompt's forward shared by its rows in a micro-batch through the KV cache; no padding mask, which is exact
-when no prompt is left-padded, and no input for the last token, whose logits predict nothing); torch.compile. Prints,
+when no prompt is left-padded, and no input for the last token, whose logits predict nothing; both apply the output
+layer as grpo.py does, a chunk of positions at a time: utils/logprobs.py); torch.compile. Prints,
 and writes to benchmarks/results/trainer_passes.md, the median seconds per pass over the repeats, the ratio to the
 default, the largest difference of the pi_ref pass's log-probs from the default's, the compile time (the first call of
 each compiled pass, which a training run pays too), and the cost of the same number of model calls on one short row
@@ -17,6 +19,7 @@ each: the part of the passes that does not shrink with the batch.
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -27,48 +30,72 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
-from utils.hf_engine import hf_generate  # noqa: E402
-from utils.checks import resolve_args  # noqa: E402
-from utils.rl import make_batch  # noqa: E402
+from utils.batch import make_batch  # noqa: E402
+from utils.hf_engine import HFDecoder  # noqa: E402
+from utils.logprobs import CHUNK_TOKENS, _ChunkedHead, _HiddenStates, causal_lm  # noqa: E402
+from utils.runs import RunArgs  # noqa: E402
 from utils.tasks import toy_problems  # noqa: E402
 
 
-def logprobs_prompt_shared(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
-    """grpo.token_logprobs with each distinct prompt of the micro-batch run once: its KV cache and last logits are
-    repeated for the rows that share it, then the completions run on that cache."""
-    prompt = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], dim=1)
-    unique, inverse = torch.unique(prompt, dim=0, return_inverse=True)
-    prompt_ids, prompt_mask = unique[:, :prompt_width], unique[:, prompt_width:]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
-        min=0), use_cache=True, logits_to_keep=1)
-    out.past_key_values.batch_select_indices(inverse)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+def logprobs_prompt_shared(model, batch, temperature, with_entropy=False):
+    """grpo.token_logprobs with each distinct prompt of the micro-batch run once: its KV cache and last hidden state
+    are repeated for the rows that share it, then the completions run on that cache."""
+    input_ids, attention_mask, prompt_width = batch.input_ids, batch.attention_mask, batch.prompt_width
     completion = input_ids[:, prompt_width:]
-    logits = model(input_ids=completion[:, :-1], attention_mask=attention_mask[:, :-1],
-                   position_ids=position_ids[:, prompt_width:-1], past_key_values=out.past_key_values,
-                   use_cache=True).logits
-    return log_probs(torch.cat([out.logits[inverse], logits], dim=1), completion, temperature, with_entropy)
+
+    def forward():
+        prompt = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], dim=1)
+        unique, inverse = torch.unique(prompt, dim=0, return_inverse=True)
+        prompt_ids, prompt_mask = unique[:, :prompt_width], unique[:, prompt_width:]
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
+            min=0), use_cache=True, logits_to_keep=1)
+        hidden = [out.logits[inverse]]  # the output layer's input: the head is applied after, in chunks
+        if completion.shape[1] > 1:  # the last completion token is no input
+            out.past_key_values.batch_select_indices(inverse)
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            hidden.append(model(input_ids=completion[:, :-1], attention_mask=attention_mask[:, :-1],
+                                position_ids=position_ids[:, prompt_width:-1], past_key_values=out.past_key_values,
+                                use_cache=True).logits)
+        return torch.cat(hidden, dim=1)
+
+    return chunked_head(model, forward, completion, temperature, with_entropy)
 
 
-def logprobs_unmasked(model, input_ids, attention_mask, prompt_width, temperature, with_entropy=False):
+def logprobs_unmasked(model, batch, temperature, with_entropy=False):
     """grpo.token_logprobs without the padding mask (right padding is invisible to a causal model at the positions
     read; the toy's prompts are never left-padded) and without the last token as an input."""
-    assert bool(attention_mask[:, 0].all()), "a left-padded prompt needs the mask"
-    completion = input_ids[:, prompt_width:]
-    logits = model(input_ids=input_ids[:, :-1], logits_to_keep=completion.shape[1]).logits
-    return log_probs(logits, completion, temperature, with_entropy)
+    assert bool(batch.attention_mask[:, 0].all()), "a left-padded prompt needs the mask"
+    completion = batch.input_ids[:, batch.prompt_width:]
+    return chunked_head(model, lambda: model(input_ids=batch.input_ids[:, :-1], logits_to_keep=completion.shape[1])
+                        .logits, completion, temperature, with_entropy)
 
 
-def log_probs(logits, completion, temperature, with_entropy):
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
-    return logp, (-(logp_all.exp() * logp_all).sum(-1).detach() if with_entropy else None)
+def chunked_head(model, forward, completion, temperature, with_entropy):
+    """(log pi(token), entropy or None), (B, T), as utils.logprobs.token_logprobs computes them: forward() runs the
+    model with its output layer swapped for one that returns the hidden states (B, T, H) at the completion's
+    positions, and the output layer is then applied CHUNK_TOKENS positions at a time, so that a variant differs from
+    grpo.py's default in its forward passes only."""
+    lm = causal_lm(model)
+    head, capture = lm.lm_head, _HiddenStates(completion.device.type)
+    lm.lm_head = capture
+    try:
+        hidden = forward()
+    finally:
+        lm.lm_head = head
+    B, T, H = hidden.shape
+    bias = head.bias if getattr(head, "bias", None) is not None else None
+    logp, entropy = _ChunkedHead.apply(hidden.reshape(B * T, H), head.weight, bias, completion.reshape(-1),
+                                       temperature, capture.dtype, CHUNK_TOKENS, with_entropy)
+    return logp.view(B, T), entropy.view(B, T) if with_entropy else None
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=grpo.TOY_MODEL_DIR)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="prompts in the rollout batch, each with grpo.py's --num_generations completions "
+                             "(default: its --prompts_per_step)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(model, dynamic=True)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "trainer_passes.md"))
     opts = parser.parse_args()
@@ -76,19 +103,19 @@ def main():
     from accelerate import Accelerator
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    args = resolve_args(grpo.Args(model=opts.model), grpo.check_algorithm_args)
+    args = grpo.resolve_args(grpo.Args(model=opts.model, run=RunArgs(engine="hf")), 1)
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model, ref_model = grpo.load_model(args, tokenizer), grpo.load_model(args, tokenizer)
-    rows = toy_problems("train")[:args.prompts_per_step]
+    model, ref_model = grpo.load_model(args.model, tokenizer), grpo.load_model(args.model, tokenizer)
+    rows = toy_problems("train")[:opts.prompts or args.prompts_per_step]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     torch.manual_seed(0)
-    samples = hf_generate(model, tokenizer, prompts, args.num_generations, args.temperature, args.top_p,
-                          args.max_new_tokens, accelerator, stop_ids)
+    samples = HFDecoder(stop_ids).generate(model, tokenizer, prompts, args.num_generations, args.temperature,
+                                           args.top_p, args.max_new_tokens, accelerator)
     batch = make_batch([p for p in prompts for _ in range(args.num_generations)], samples, tokenizer.pad_token_id,
                        accelerator.device)
-    batch["advantages"] = torch.randn(len(samples))
-    lengths = batch["completion_mask"].sum(-1)
+    batch.advantages = torch.randn(len(samples))[:, None] * batch.mask  # A_i on each token of completion i
+    lengths = batch.mask.sum(-1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)  # timing only: weights never move
 
     flash, default_logprobs = SDPBackend.FLASH_ATTENTION, grpo.token_logprobs
@@ -115,17 +142,17 @@ def main():
         seconds = {}
         with sdpa_kernel(backend):
             start = time.perf_counter()
-            ref_logp, _ = grpo.batched_logprobs(reference, batch, args.temperature, size)
+            ref_logp = grpo.batched_logprobs(reference, batch, args.temperature, len(batch), size)
             seconds["pi_ref pass"] = time.perf_counter() - start
             ref_logps[name] = ref_logp
             start = time.perf_counter()
-            grpo.update_policy(run_args, policy, optimizer, dict(batch, ref_logp=ref_logp), accelerator)
+            grpo.update_policy(run_args, policy, optimizer, dataclasses.replace(batch, ref_logp=ref_logp), accelerator)
             seconds["policy update"] = time.perf_counter() - start
         grpo.token_logprobs = default_logprobs
         return seconds
 
     def one_row_calls():  # the default's model calls (a forward per micro-batch, twice; one backward) on 1 x 8 tokens
-        ids, seconds = batch["input_ids"][:1, :8], {}
+        ids, seconds = batch.input_ids[:1, :8], {}
         start = time.perf_counter()
         with torch.no_grad():
             for _ in range(0, len(samples), args.micro_batch_size):
@@ -146,7 +173,7 @@ def main():
         floor.append(one_row_calls())
     median = {name: {k: statistics.median(t[k] for t in ts) for k in ts[0]} for name, ts in times.items()}
     base = median["default (32, flash, eager)"]
-    mask = batch["completion_mask"].bool()
+    mask = batch.mask.bool()
     diff = {name: (ref_logps[name] - ref_logps["default (32, flash, eager)"])[mask].abs().max() for name in variants}
     floor = {k: statistics.median(t[k] for t in floor) for k in floor[0]}
     shown = [a for i, a in enumerate(sys.argv[1:]) if "--out" not in (a, sys.argv[i])]  # argv[i] precedes a

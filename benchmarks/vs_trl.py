@@ -42,10 +42,9 @@ def grpo_args(seed, flags):
     """grpo.py's Args for these flags, resolved as grpo.py resolves them: the one source of both sides' settings."""
     import tyro
 
-    from grpo import Args, check_algorithm_args
-    from utils.checks import resolve_args
+    from grpo import Args, resolve_args
 
-    return resolve_args(tyro.cli(Args, args=["--seed", str(seed), *flags]), check_algorithm_args)
+    return resolve_args(tyro.cli(Args, args=["--seed", str(seed), *flags]), 1)
 
 
 def settings(a):
@@ -65,8 +64,7 @@ def settings(a):
         ("gradient clipping", f"max_grad_norm {a.max_grad_norm:g}", f"max_grad_norm {a.max_grad_norm:g}"),
         ("KL", f"beta {a.beta:g}, k3 in the loss", f"beta {a.beta:g}, use_bias_correction_kl=False (k3; True is "
          "k3_is's gradient)"),
-        ("clipping", f"clip_eps_low/high {a.clip_eps_low:g}/{a.clip_eps_high:g}",
-         f"epsilon {a.clip_eps_low:g}, epsilon_high {a.clip_eps_high:g}"),
+        ("clipping", f"clip_eps {a.clip_eps:g}", f"epsilon {a.clip_eps:g}, epsilon_high {a.clip_eps:g}"),
         ("loss aggregation", "seq-mean-token-mean", "loss_type grpo"),
         ("advantages", "group z-score, unbiased std, --adv_eps 1e-4", "scale_rewards group (unbiased std + 1e-4, "
          "fixed)"),
@@ -75,8 +73,9 @@ def settings(a):
         ("sampling", f"T {a.temperature:g}, top-p {a.top_p:g}, no top-k, {a.max_new_tokens} new tokens, stop at the "
          "tokenizer's and the generation config's EOS", f"temperature {a.temperature:g}, top_p {a.top_p:g}, top_k 0, "
          f"max_completion_length {a.max_new_tokens}, the same stop tokens"),
-        ("engine", f"--engine {a.engine}", "HF generate (use_vllm=False)"),
-        ("threads", f"--threads {a.threads}", f"torch.set_num_threads({a.threads}) before the trainer is built"),
+        ("engine", f"--engine {a.run.engine}", "HF generate (use_vllm=False)"),
+        ("threads", f"--threads {a.run.threads}",
+         f"torch.set_num_threads({a.run.threads}) before the trainer is built"),
         ("not matched: speed knobs", f"policy/reference passes in micro-batches of {a.micro_batch_size} sorted by "
          "length (the same update); its own decode loop", f"one pass of {batch} padded to the longest; "
          "transformers' generate()"),
@@ -90,7 +89,7 @@ def trl_side(seed, steps, out_dir, flags):
     import torch
 
     args = grpo_args(seed, flags)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.run.threads)
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -128,8 +127,8 @@ def trl_side(seed, steps, out_dir, flags):
         gradient_accumulation_steps=1, num_generations=args.num_generations, steps_per_generation=1,
         num_iterations=1, shuffle_dataset=False, learning_rate=args.learning_rate, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
-        max_grad_norm=args.max_grad_norm, beta=args.beta, use_bias_correction_kl=False, epsilon=args.clip_eps_low,
-        epsilon_high=args.clip_eps_high, loss_type="grpo", scale_rewards="group",
+        max_grad_norm=args.max_grad_norm, beta=args.beta, use_bias_correction_kl=False, epsilon=args.clip_eps,
+        epsilon_high=args.clip_eps, loss_type="grpo", scale_rewards="group",
         reward_weights=[1.0, args.format_reward_weight], temperature=args.temperature, top_p=args.top_p, top_k=0,
         max_completion_length=args.max_new_tokens, use_vllm=False, logging_steps=1, save_strategy="no",
         eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False)

@@ -13,17 +13,22 @@ from tests.helpers import ROOT
 
 @pytest.mark.slow
 def test_gpu_step_at_a_tiny_shape(tmp_path):
+    """The one-GPU check's steps, plain and under FSDP2 with one process (--fsdp): the betas cycled (0: no reference
+    pass), the update repeated from a checkpoint equal to the first, a peak and an estimate reported."""
     out = tmp_path / "gpu_step.jsonl"
     proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--shape", "tiny", "--engines", "hf", "--steps",
-                           "2", "--prompts", "4", "--generations", "2", "--new_tokens", "16", "--prompt_len", "8",
-                           "--micro_batch_size", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "4", "--prompts", "4", "--generations", "2", "--new_tokens", "16", "--prompt_len", "8",
+                           "--micro_batch_size", "4", "--fsdp", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (result,) = [json.loads(line) for line in open(out)]
-    assert result["engine"] == "hf" and len(result["steps"]) == 2 and "| hf | cpu |" in proc.stdout
-    for step in result["steps"]:
-        assert step["tokens"] == 4 * 2 * 16 and step["truncated_frac"] == 1.0  # the forced length
-        assert step["logprob_gap_max"] < 1e-4 and step["step_s"] >= step["rollout_s"] > 0
+    plain, sharded = [json.loads(line) for line in open(out)]
+    assert (plain["fsdp2"], sharded["fsdp2"]) == (False, True) and "| hf | True | cpu |" in proc.stdout
+    for result in (plain, sharded):
+        assert result["engine"] == "hf" and result["resume"]["equal"] and result["trainer_estimate_gb"] > 0
+        assert [step["beta"] for step in result["steps"]] == [0.04, 0.04, 0.0, 0.0]
+        for step in result["steps"]:  # random weights sample a stop token (1 in 1,024) now and then
+            assert 4 * 2 * 12 <= step["tokens"] <= 4 * 2 * 16 and step["truncated_frac"] >= 0.5
+            assert step["logprob_gap_max"] < 1e-4 and step["step_s"] >= step["rollout_s"] > 0
 
 
 @pytest.mark.slow

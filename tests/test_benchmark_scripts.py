@@ -1,0 +1,112 @@
+"""The benchmark scripts against the code they call. A script runs by hand, rarely: when a function it calls is renamed
+or moved it breaks unseen until the next time someone needs its numbers. Each one here imports (its main() runs only
+as __main__), and every name it takes from the repository's own modules, at the top or inside a function, exists;
+the quick ones also run end to end on a tiny workload (slow)."""
+
+import ast
+import glob
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+SCRIPTS = sorted(glob.glob(os.path.join(BENCHMARKS, "*.py")))
+
+
+def is_local(module_name):
+    """A module of this repository: an algorithm script, utils, or a benchmark script (they import one another)."""
+    first = module_name.split(".")[0]
+    return any(os.path.exists(path) for path in (os.path.join(ROOT, f"{first}.py"),
+                                                  os.path.join(ROOT, first, "__init__.py"),
+                                                  os.path.join(BENCHMARKS, f"{first}.py")))
+
+
+def missing_names(path, module):
+    """What the script at `path` (imported as `module`) names in the repository's modules that does not exist there:
+    `from x import y` anywhere in it (a function's own imports run only when it is called), and `x.y` where x is a
+    repository module the script imported."""
+    missing = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and is_local(node.module):
+            imported = importlib.import_module(node.module)
+            missing += [f"line {node.lineno}: from {node.module} import {alias.name}" for alias in node.names
+                        if not hasattr(imported, alias.name)]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if is_local(alias.name):
+                    importlib.import_module(alias.name)  # raises if it is gone
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            value = vars(module).get(node.value.id)
+            if isinstance(value, types.ModuleType) and is_local(value.__name__) and not hasattr(value, node.attr):
+                missing.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return missing
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
+def test_the_script_imports_and_names_only_what_exists(path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [BENCHMARKS, *sys.path])  # as the scripts set it; restored after
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"benchmark_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not missing_names(path, module)
+
+
+def run_script(args, timeout=300):
+    """Run a benchmark script as a user would, offline -> its stdout; a non-zero exit fails with its output's tail."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def table_rows(text, columns):
+    """The rows of the markdown tables in `text` with `columns` cells, header and separator rows included."""
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and line.count("|") == columns + 1]
+
+
+@pytest.mark.slow
+def test_hf_decode_runs_and_prints_both_sides():
+    out = run_script(["benchmarks/hf_decode.py", "--prompts", "2", "--generations", "2", "--new_tokens", "4",
+                      "--repeats", "1"])
+    assert "2 prompts x 2 samples, <= 4 new tokens, 1 thread, median of 1:" in out
+    for side in ("transformers generate()", "HFDecoder.generate"):
+        assert re.search(rf"^  {re.escape(side)} +[\d.]+ s +\d+ tokens/s +[\d.]+x$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_trainer_passes_runs_and_its_variants_agree(tmp_path):
+    """Every variant's pi_ref log-probs equal the default's to float32 rounding: the other ways to compute them
+    compute the same thing."""
+    path = tmp_path / "trainer_passes.md"
+    out = run_script(["benchmarks/trainer_passes.py", "--prompts", "2", "--repeats", "1", "--out", str(path)])
+    assert path.read_text().strip() in out
+    assert "Command: `python benchmarks/trainer_passes.py --prompts 2 --repeats 1`; 16 completions" in out
+    header, _, *rows = table_rows(out, 7)
+    assert header[0] == "variant" and header[5] == "max abs diff of pi_ref log-probs"
+    assert [row[0] for row in rows] == ["default (32, flash, eager)", "micro-batches of 16", "micro-batches of 64",
+                                        "micro-batches of 128", "SDPA math backend",
+                                        "prompt forward shared in a micro-batch", "no padding mask, no last input"]
+    assert rows[0][4] == "1.00x" and float(rows[0][5]) == 0.0
+    assert all(float(row[5]) < 1e-4 for row in rows), rows
+    assert "The default's model calls on one row of 8 tokens each" in out
+
+
+@pytest.mark.slow
+def test_prompt_start_runs_on_the_real_model(tmp_path):
+    """Tiny: 2 problems, 1 sample, 4 new tokens (the first use converts the GGUF file, about 30 s)."""
+    path = tmp_path / "prompt_start.md"
+    out = run_script(["benchmarks/prompt_start.py", "--problems", "2", "--samples", "1", "--max_new_tokens", "4",
+                      "--threads", "1", "--out", str(path)])
+    assert path.read_text().strip() in out
+    header, _, *rows = table_rows(out, 6)
+    assert header[0] == "--instruction" and [row[0] for row in rows] == ["system", "user"]
+    assert all(0 <= float(cell) <= 1 for row in rows for cell in row[1:5]) and all(float(row[5]) <= 4 for row in rows)
