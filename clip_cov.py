@@ -20,7 +20,8 @@ Worked example: log-probs (-0.1, -2.0) on two tokens with advantages (1, -1) hav
 (0.95 * 1, -0.95 * -1) = (0.95, 0.95). As the authors' implementation (verl's clip_cov and kl_cov losses) the means,
 N and the selection are each micro-batch's (so they follow --micro_batch_size), Cov_t uses the current policy's
 log-probs, and A_t is its sequence's advantage. The fractions default to the paper's: Clip-Cov 2e-4, KL-Cov 2e-3 (its
-7B runs).
+7B runs). The loss around the selection is grpo.py's (1/|o_i| per completion, then the mean over completions); the
+paper's runs used verl's token-mean, a change this file leaves to dapo.py's and lite_ppo.py's diffs.
 
 What `diff grpo.py clip_cov.py` shows: the two methods' flags and checks, covariance_tokens, and compute_loss's
 selection with its metric (policy/cov_selected_frac).
@@ -131,11 +132,11 @@ class Args:
 
 
 def check_algorithm_args(args, num_processes):
-    """GRPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    """The algorithm's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
     the processes a step's prompts divide over."""
     if args.num_generations < 2:
-        raise ValueError(f"--num_generations {args.num_generations}: GRPO needs groups of >= 2 completions (a group "
-                         "of one has advantage 0 and learns nothing)")
+        raise ValueError(f"--num_generations {args.num_generations}: groups of >= 2 completions are needed (a group of "
+                         "one has advantage 0 and learns nothing)")
     if args.beta < 0 or args.clip_eps < 0 or args.adv_eps < 0:
         raise ValueError("--beta, --clip_eps and --adv_eps must be >= 0 (--beta 0 turns the KL term off)")
     if not (0 < args.clip_cov_frac < 1 and 0 < args.kl_cov_frac < 1):
@@ -519,8 +520,8 @@ def main(args):
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
-        args.num_minibatches)
+    local_prompts = args.prompts_per_step // world
+    minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's own pass follows
     for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                      disable=not accelerator.is_main_process, dynamic_ncols=True):
         times = {"step": time.time()}

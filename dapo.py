@@ -140,13 +140,13 @@ class Args:
 
 
 def check_algorithm_args(args, num_processes):
-    """DAPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    """The algorithm's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
     the processes a step's prompts divide over. Fills the two defaults that depend on other flags."""
     args.gen_prompts_per_step = args.gen_prompts_per_step or args.prompts_per_step
     args.overlong_buffer = args.max_new_tokens // 5 if args.overlong_buffer is None else args.overlong_buffer
     if args.num_generations < 2:
-        raise ValueError(f"--num_generations {args.num_generations}: DAPO needs groups of >= 2 completions (a group "
-                         "of one has advantage 0 and learns nothing)")
+        raise ValueError(f"--num_generations {args.num_generations}: groups of >= 2 completions are needed (a group of "
+                         "one has advantage 0 and learns nothing)")
     if min(args.clip_eps_low, args.clip_eps_high, args.adv_eps, args.overlong_penalty) < 0:
         raise ValueError("--clip_eps_low, --clip_eps_high, --adv_eps and --overlong_penalty must be >= 0")
     if args.gen_prompts_per_step % num_processes or args.max_num_gen_batches < 1:

@@ -11,7 +11,7 @@ at this step's weights (the proximal policy), and each token is weighted by pi_o
 
   J(theta) = 1/G sum_i 1/|o_i| sum_t [ w_it min( r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i ) - beta KL_it ]
 
-  r_it = pi_theta(o_it | ...) / pi_old(o_it | ...)            pi_old: this step's weights, recomputed by the trainer
+  r_it = pi_theta(o_it | ...) / pi_old(o_it | ...)            pi_old: this step's weights, the trainer's log-probs
   w_it = min( pi_old(o_it | ...) / pi_behav(o_it | ...), C )  pi_behav: the engine's probability when it sampled the
                                                               token, under the version it had then (--tis_cap C)
   A_i, KL_it as grpo.py (group z-score; k3 in the loss)
@@ -135,11 +135,11 @@ class Args:
 
 
 def check_algorithm_args(args, num_processes):
-    """GRPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    """The algorithm's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
     the processes a step's prompts divide over."""
     if args.num_generations < 2:
-        raise ValueError(f"--num_generations {args.num_generations}: GRPO needs groups of >= 2 completions (a group "
-                         "of one has advantage 0 and learns nothing)")
+        raise ValueError(f"--num_generations {args.num_generations}: groups of >= 2 completions are needed (a group of "
+                         "one has advantage 0 and learns nothing)")
     if args.beta < 0 or args.clip_eps < 0 or args.adv_eps < 0:
         raise ValueError("--beta, --clip_eps and --adv_eps must be >= 0 (--beta 0 turns the KL term off)")
     if args.overprovision < 1 or args.max_staleness < 0:
@@ -582,8 +582,8 @@ def main(args):
     # "finished", "truncated"}}
     carry = load_carry(accelerator, checkpoint) if checkpoint else []
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
-        args.num_minibatches)
+    local_prompts = args.prompts_per_step // world
+    minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's own pass follows
     for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                      disable=not accelerator.is_main_process, dynamic_ncols=True):
         times = {"step": time.time()}

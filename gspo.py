@@ -122,11 +122,11 @@ class Args:
 
 
 def check_algorithm_args(args, num_processes):
-    """GSPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    """The algorithm's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
     the processes a step's prompts divide over."""
     if args.num_generations < 2:
-        raise ValueError(f"--num_generations {args.num_generations}: GSPO needs groups of >= 2 completions (a group "
-                         "of one has advantage 0 and learns nothing)")
+        raise ValueError(f"--num_generations {args.num_generations}: groups of >= 2 completions are needed (a group of "
+                         "one has advantage 0 and learns nothing)")
     if min(args.beta, args.clip_eps_low, args.clip_eps_high, args.adv_eps) < 0:
         raise ValueError("--beta, --clip_eps_low, --clip_eps_high and --adv_eps must be >= 0 (--beta 0: no KL term)")
 
@@ -481,8 +481,8 @@ def main(args):
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
-        args.num_minibatches)
+    local_prompts = args.prompts_per_step // world
+    minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's own pass follows
     for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                      disable=not accelerator.is_main_process, dynamic_ncols=True):
         times = {"step": time.time()}

@@ -133,7 +133,7 @@ class Args:
 
 
 def check_algorithm_args(args, num_processes):
-    """PPO's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
+    """The algorithm's own one-line errors (resolve_args below runs the checks every script shares); num_processes:
     the processes a step's prompts divide over. Fills the critic's learning rate."""
     args.critic_learning_rate = args.critic_learning_rate or args.learning_rate
     for name in ("beta", "kl_target", "value_clip", "score_clip", "clip_eps"):
@@ -563,8 +563,8 @@ def main(args):
     start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    local_prompts, minibatch_size = args.prompts_per_step // world, args.prompts_per_step // world * G // (
-        args.num_minibatches)
+    local_prompts = args.prompts_per_step // world
+    minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's own pass follows
     for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                      disable=not accelerator.is_main_process, dynamic_ncols=True):
         times = {"step": time.time()}

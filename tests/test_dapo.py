@@ -111,7 +111,7 @@ def test_informative_groups_and_how_many_each_process_trains_on():
 @pytest.mark.parametrize("overrides, message", [
     ({"overlong_buffer": 100}, "--overlong_buffer 100: must be in [0, --max_new_tokens]"),
     ({"max_num_gen_batches": 0}, "--max_num_gen_batches 0 be >= 1"),
-    ({"num_generations": 1, "micro_batch_size": 8}, "DAPO needs groups of >= 2"),
+    ({"num_generations": 1, "micro_batch_size": 8}, "groups of >= 2 completions are needed"),
 ])
 def test_bad_arguments(overrides, message):
     with pytest.raises(ValueError) as error:

@@ -53,7 +53,7 @@ def test_the_docstrings_worked_example():
 
 def test_gdpo_arguments():
     assert resolved(gdpo, format_reward_weight=0.5).format_reward_weight == 0.5
-    with pytest.raises(ValueError, match="GDPO needs groups of >= 2 completions"):
+    with pytest.raises(ValueError, match="groups of >= 2 completions are needed"):
         resolved(gdpo, num_generations=1)
     with pytest.raises(ValueError, match="--adv_eps must be >= 0"):
         resolved(gdpo, adv_eps=-1.0)

@@ -97,7 +97,7 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"temperature": 0.0}, "--temperature 0.0: must be > 0"),
     ({"num_generations": 0}, "--num_generations 0: must be > 0"),
-    ({"num_generations": 1}, "GRPO needs groups of >= 2"),
+    ({"num_generations": 1}, "groups of >= 2 completions are needed"),
     ({"prompts_per_step": 0}, "--prompts_per_step 0: must be > 0"),
     ({"micro_batch_size": 0}, "--micro_batch_size 0: must be > 0"),
     ({"num_minibatches": 0}, "--num_minibatches 0: must be > 0"),

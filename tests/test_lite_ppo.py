@@ -64,7 +64,7 @@ def test_token_mean_loss_by_hand():
 
 def test_arguments():
     assert resolved(lite_ppo).adv_eps == 1e-6
-    with pytest.raises(ValueError, match="Lite PPO needs groups of >= 2 completions"):
+    with pytest.raises(ValueError, match="groups of >= 2 completions are needed"):
         resolved(lite_ppo, num_generations=1)
 
 
