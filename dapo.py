@@ -539,7 +539,7 @@ def main(args):
         #    scored at once (the filter needs the rewards). Groups all equal by --filter_groups_by are dropped. The stop
         #    test is collective (the fewest groups any process kept), so every process runs as many rounds.
         seen, kept, waited, rounds, num_informative, sync_time = [], [], 0.0, 0, 0, 0.0
-        counts = dict.fromkeys(["no_answer", *FAILURES], 0)
+        failures = dict.fromkeys(["no_answer", *FAILURES], 0)  # checks that scored 0, by kind
         while True:
             rounds += 1
             # from (seed, step, round) alone: a resumed run draws the prompts an uninterrupted one would
@@ -552,8 +552,8 @@ def main(args):
             sync_time += round_sync_time  # only the first round pushes the weights
             texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
             scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])
-            accuracy, formats, round_counts = scorer.result(scoring)
-            waited, counts = waited + scoring.waited, {k: v + round_counts[k] for k, v in counts.items()}
+            accuracy, formats, round_failures = scorer.result(scoring)
+            waited, failures = waited + scoring.waited, {k: v + round_failures[k] for k, v in failures.items()}
             task_rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
             length_rewards = overlong_reward([len(sample.token_ids) for sample in samples], args.max_new_tokens,
                                              args.overlong_buffer, args.overlong_penalty)
@@ -606,7 +606,7 @@ def main(args):
                     "charts/overlong_reward": torch.cat([g["length"] for g in seen]).mean()})
         metrics = step_metrics(accelerator, stats, [s for g in seen for s in g["samples"]],
                                [a for g in seen for a in g["accuracy"]], [f for g in seen for f in g["formats"]],
-                               torch.cat([g["task"] for g in seen]), counts, {
+                               torch.cat([g["task"] for g in seen]), failures, {
                                    "step": time.time() - times["step"], "rollout": times["rollout"],
                                    "weight_sync": sync_time, "score": waited, "score_hidden": 0.0})  # the filter
         metrics.update({**trained, "dapo/gen_rounds": rounds, "step": step})  # needs the rewards first: no overlap

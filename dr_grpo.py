@@ -492,7 +492,7 @@ def main(args):
         if ref_model is not None:
             batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
                                               args.micro_batch_size)
-        accuracy, formats, counts = scorer.result(scoring)
+        accuracy, formats, failures = scorer.result(scoring)  # failures: checks that scored 0, by kind
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         # 3. Advantages, from every process's rewards (each process holds whole groups).
         all_rewards = accelerator.gather(rewards.to(accelerator.device))
@@ -509,7 +509,7 @@ def main(args):
         if page is not None:
             page.write(run_dir, step, tokenizer, [r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy,
                        "format": formats, "reward": rewards}, [sample.truncated for sample in samples], G)
-        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
+        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, failures, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})
         metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})

@@ -590,7 +590,7 @@ def main(args):
         with torch.no_grad():  # V_old, by micro-batches of similar lengths
             for micro_rows, micro in micro_batches(batch, args.micro_batch_size):
                 batch.old_values[micro_rows, :micro.mask.shape[1]] = token_values(critic, micro)
-        accuracy, formats, counts = scorer.result(scoring)
+        accuracy, formats, failures = scorer.result(scoring)  # failures: checks that scored 0, by kind
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         # 3. Per-token rewards (the score on the last token, -beta * k1 on each), GAE, whitened advantages.
         all_rewards = accelerator.gather(rewards.to(accelerator.device))
@@ -620,7 +620,7 @@ def main(args):
         if page is not None:
             page.write(run_dir, step, tokenizer, [r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy,
                        "format": formats, "reward": rewards}, [sample.truncated for sample in samples], G)
-        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, counts, {
+        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, failures, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})
         metrics.update({"step": step, "charts/reward_std": all_rewards.std().item(), "policy/kl_coef": beta_used,
