@@ -63,10 +63,11 @@ def test_the_policy_and_the_reference_are_sharded_and_gathered_whole(tmp_path):
 
 
 def test_grpo_fsdp2_equals_ddp_resumes_exactly_and_saves_full_weights(tmp_path):
-    """The same 3 steps under DDP and under FSDP2 (2 mini-batches, the KL term on: the reference model too); the FSDP2
-    run stopped after its sharded step-2 checkpoint and resumed. Groups stay whole on each rank, normalizers and eval
-    counts are global."""
-    flags = ["--num_minibatches", "2", *SMALL, "--micro_batch_size", "4"]
+    """The same 3 steps under DDP and under FSDP2 (2 mini-batches of 2 micro-batches each: FSDP2 reduce-scatters
+    each micro-batch's gradient where DDP accumulates and all-reduces once; the KL term on: the reference model too);
+    the FSDP2 run stopped after its sharded step-2 checkpoint and resumed gives an uninterrupted FSDP2 run's metrics
+    exactly. Groups stay whole on each rank, normalizers and eval counts are global."""
+    flags = ["--num_minibatches", "2", *SMALL, "--micro_batch_size", "2"]
     proc, ddp = run_grpo(["--total_steps", "3", "--eval_every", "3", "--exp_name", "ddp", *flags], tmp_path,
                          launcher=two_processes(29552))
     assert proc.stdout.count("task toy:") == 1 and "2 process(es)" in proc.stdout  # one main process prints
@@ -83,6 +84,10 @@ def test_grpo_fsdp2_equals_ddp_resumes_exactly_and_saves_full_weights(tmp_path):
                 "policy/clip_frac"):
         assert [r[key] for r in fsdp] == pytest.approx([r[key] for r in ddp], rel=1e-4, abs=1e-7), key
     assert fsdp[2]["eval/pass@1_greedy"] == pytest.approx(ddp[2]["eval/pass@1_greedy"])
+    _, straight = run_grpo(["--total_steps", "3", "--eval_every", "3", "--exp_name", "fsdp_straight", *flags],
+                           tmp_path, launcher=fsdp2(29558))
+    for key in ("charts/reward", "losses/policy", "losses/kl", "policy/grad_norm", "eval/pass@1_greedy"):
+        assert [r.get(key) for r in fsdp] == [r.get(key) for r in straight], key  # the same computation: exact
     from safetensors.torch import load_file
 
     final = load_file(str(tmp_path / "fsdp__1" / "final" / "model.safetensors"))  # full tensors, loadable as --model

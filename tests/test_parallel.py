@@ -47,3 +47,65 @@ def test_free_ports_differ_and_are_free():
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # nobody listens on it
+
+
+def test_an_unsupported_vllm_stops_the_run_before_its_engine_starts(monkeypatch):
+    """check_run_args (every script's resolve_args) reads the installed version: one line before any model loads."""
+    import utils.checks
+    from utils.runs import RunArgs
+
+    monkeypatch.setattr(utils.checks, "vllm_version", lambda: "0.20.1")
+    with pytest.raises(ValueError, match="vLLM 0.20.1 is installed"):
+        utils.checks.check_run_args(RunArgs(engine="vllm"), total_steps=10)
+    utils.checks.check_run_args(RunArgs(engine="hf"), total_steps=10)  # the HF engine needs none
+
+
+class RecordingLLM:
+    """A stand-in for vllm.LLM that records the calls the engine code makes, with torch.cuda.empty_cache's."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, len(list(kwargs["weights_iterator"]))))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_a_sleeping_engine_wakes_with_the_trainers_cache_emptied_first(monkeypatch):
+    """GPU sleep mode's order (TRL's and verl's): the trainer's cached blocks freed before the weights wake (a cached
+    peak can leave them no room), the weights pushed whole, the prefix cache reset, the cache emptied again before the
+    KV cache wakes; a level-2 sleep drops the weights, so the next rollout pushes again. The default level is 2."""
+    import grpo
+    from utils.runs import RunArgs
+
+    _, accelerator, _, model = setup()
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    engine = grpo.Engine([0], RecordingLLM(calls), asleep=True, sleep_level=RunArgs().vllm_sleep_level)
+    assert engine.sleep_level == 2
+    grpo.wake_engine(engine, model, accelerator, policy_version=3)
+    tensors = len(model.state_dict())
+    assert calls == [("empty_cache",), ("wake_up", ("weights",)), ("reload_weights", tensors),
+                     ("reset_prefix_cache",), ("empty_cache",), ("wake_up", ("kv_cache",))]
+    grpo.sleep_engine(engine)
+    assert calls[-1] == ("sleep", 2) and engine.weights_version is None
+
+
+def test_the_gap_alarm_warns_then_stops(tmp_path):
+    from utils.runs import RunArgs, check_logprob_gap
+
+    lines, run = [], RunArgs()
+    check_logprob_gap({"step": 4, "rollout/logprob_gap_mean": 0.05}, run, lines.append, str(tmp_path))
+    assert lines == []
+    check_logprob_gap({"step": 5, "rollout/logprob_gap_mean": 0.2}, run, lines.append, str(tmp_path))
+    assert len(lines) == 1 and lines[0].startswith("warning: step 5:") and "--logprob_gap_warn 0.1" in lines[0]
+    with pytest.raises(SystemExit, match="step 6: the mean engine/trainer log-prob gap 0.8 exceeds --logprob_gap_stop"):
+        check_logprob_gap({"step": 6, "rollout/logprob_gap_mean": 0.8}, run, lines.append, str(tmp_path))
