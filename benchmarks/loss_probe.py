@@ -112,7 +112,7 @@ def probe(module, args, rollout, policy, accelerator, micro_batch_size):
     kl_norm = 0.0
     if pg_args is not args:  # the whole loss's gradient less the policy-gradient terms' is the KL term's
         kl_norm = float((loss_gradient(module, args, rollout, advantages, policy, micro_batch_size)[0] - gradient)
-                        .norm())
+                        .double().norm())
     return gradient, weights, kl_norm, advantages
 
 
@@ -168,6 +168,13 @@ def collect_rollout(args, prompts_count, moves, seed):
     return rollout, policy, accelerator, grpo
 
 
+def cosine(x, y):
+    """Cosine of two flat tensors in float64; NaN when either is 0 (a loss whose every token is clipped)."""
+    x, y = x.double(), y.double()
+    denominator = float(x.norm() * y.norm())
+    return float(x @ y) / denominator if denominator else float("nan")
+
+
 def share(values):
     return float(values.float().mean()) if values.numel() else float("nan")
 
@@ -210,15 +217,15 @@ def main():
                                              args.micro_batch_size)
             ratio = (logp - rollout["old_logp"]).exp()
         positive, negative = mask & (advantages > 0), mask & (advantages < 0)
+        norm = float(gradient.double().norm())  # float64: a float32 dot product over 1e8 entries is off by percents
         results.append({
-            "algorithm": name, "script": script,
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(gradient, base[0], dim=0)),
-            "grad_norm_ratio": float(gradient.norm() / base[0].norm()),
-            "weight_cosine": float(torch.nn.functional.cosine_similarity(weights[mask], base[1][mask], dim=0)),
+            "algorithm": name, "script": script, "grad_cosine": cosine(gradient, base[0]),
+            "grad_norm_ratio": norm / float(base[0].double().norm()),
+            "weight_cosine": cosine(weights[mask], base[1][mask]),
             "zero_pg_share_pos": share(weights[positive] == 0), "zero_pg_share_neg": share(weights[negative] == 0),
             "mean_weight_pos": float(weights[positive].mean()) if positive.any() else float("nan"),
             "mean_weight_neg": float(weights[negative].mean()) if negative.any() else float("nan"),
-            "kl_over_pg_norm": kl_norm / float(gradient.norm()),
+            "kl_over_pg_norm": kl_norm / norm if norm else float("inf") if kl_norm else 0.0,
             "tokens_pos": int(positive.sum()), "tokens_neg": int(negative.sum())})
         print(json.dumps(results[-1]))
     r = ratio[mask]
