@@ -1,6 +1,6 @@
 # The CPU set-up in two commands, on a fresh Linux machine with Python 3.11:
 #   make train    the embedded default run (python grpo.py)
-#   make test     the full test suite (what CI runs)
+#   make test     the full test suite on both cores (pytest-xdist; what CI runs)
 # Each creates the project's environment in .venv the first time, from requirements-cpu.lock (every package pinned,
 # installed without resolving: nothing is installed that must then be removed), and reuses it after; the lock
 # changing rebuilds it. Any other command runs in the same environment: .venv/bin/python grpo.py --help.
@@ -14,10 +14,10 @@ train: $(VENV)/installed
 	$(PY) grpo.py
 
 test: $(VENV)/installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-fast: $(VENV)/installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 $(VENV)/installed: requirements-cpu.lock
 	rm -rf $(VENV)

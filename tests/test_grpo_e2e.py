@@ -163,7 +163,7 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     assert max(r["policy/ratio_max"] for r in rows) > 1.0  # later mini-batches are off-policy
     assert "eval/pass@1_greedy" in rows[1] and "eval/pass@1_sampled_k2" in rows[2]
     assert 1 >= rows[2]["eval/pass@2"] >= rows[2]["eval/pass@1_sampled_k2"]  # from the same 2 samples per problem
-    run_dir = tmp_path / "grpo"
+    run_dir = tmp_path / "grpo__1"
     assert (run_dir / "checkpoint" / "step.json").exists() and (run_dir / "final" / "model.safetensors").exists()
     assert not (run_dir / "checkpoint.tmp").exists()
     assert "[gold" in proc.stdout and "'07+45=' ->" not in proc.stdout  # samples show their prompt, gold, reward
@@ -202,7 +202,7 @@ def test_a_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: step 3: non-finite gradient norm") and "last checkpoint" in last, last
-    run_dir = tmp_path / "grpo"
+    run_dir = tmp_path / "grpo__1"
     assert json.loads((run_dir / "checkpoint" / "step.json").read_text())["step"] == 2
     weights = load_file(run_dir / "checkpoint" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())

@@ -86,7 +86,7 @@ def test_hf_engine_trains_evaluates_checkpoints_and_resumes_exactly(tmp_path, ca
     assert [r["step"] for r in rows] == [1] and rows[0]["eval/problems"] == 4
     assert rows[0]["rollout/logprob_gap_max"] < 1e-3  # the decode loop samples from the trainer's own weights
     assert rows[0]["losses/kl"] >= 0
-    run_dir = tmp_path / "grpo"
+    run_dir = tmp_path / "grpo__1"
     assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "chat_template.jinja").exists()
     proc, resumed = run(["--engine", "hf", "--total_steps", "2", "--eval_every", "0", "--resume"], tmp_path, cache)
     assert "resumed from" in proc.stdout and [r["step"] for r in resumed] == [1, 2]
