@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from utils.tools import LACKS, PythonSandbox, _view_plan
+from utils.tools import LACKS, PythonSandbox, _view_plan, check_python_outside_tmp, python_installation
 
 HOSTILE = {  # each costs its call an error message, and the run nothing
     "infinite loop": ("while True:\n    pass", "TimeoutError"),
@@ -113,6 +113,15 @@ def test_honest_code_runs_as_before():
         assert sandbox.run(codes) == [("[3, 5, 7]\n", ""), ("[8, 6, 5]\n", ""), ("[-2, 2]\n", ""),
                                       ("(0.0, 1.0, 1) 0.125 2\n", ""), ("hi ['a.txt', 'b']\n", ""),
                                       ("True\n", ""), ("é ✓ 漢字\n", "")]
+
+
+def test_a_python_environment_under_tmp_is_refused_at_start():
+    """Each call's /tmp is its own, so an environment there would vanish from the calls (numpy missing, the checkout
+    unlisted): one line that says what to change, before any process starts."""
+    check_python_outside_tmp(python_installation())  # this suite's environment is not there
+    for path in ("/tmp/clone/.venv/lib/python3.11/site-packages", "/dev/shm/env/lib/python3.11", "/var/tmp/x/lib"):
+        with pytest.raises(ValueError, match="create the environment outside"):
+            check_python_outside_tmp({"/usr/lib/python3.11", path})
 
 
 def test_the_warning_says_what_the_run_lacks():

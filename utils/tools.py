@@ -311,14 +311,28 @@ def _inside(path, folder):
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
+def python_installation():
+    import sysconfig
+
+    return {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+
+def check_python_outside_tmp(paths):
+    """Every call mounts a /tmp of its own (and /dev/shm, /var/tmp, /run/lock point to it): a Python installation
+    under the machine's would vanish from the calls' view (numpy, the standard library), so it is refused at start."""
+    for path in paths:
+        for tmp in ("/tmp", "/dev/shm", "/var/tmp", "/run/lock"):
+            if _inside(os.path.realpath(path), tmp) or _inside(os.path.abspath(path), tmp):
+                raise ValueError(f"the Python environment {path} lies under {tmp}, which each tool call replaces with "
+                                 f"a folder of its own: create the environment outside {tmp} (e.g. clone elsewhere)")
+
+
 def _view_plan(hidden):
     """The mounts of a call's view: [(kind, path)] in mount order; kind is "link" (a symlink as on the machine),
     "bind" (a folder as on the machine, read-only), "hide" (an empty folder over a hidden one inside a bound folder)
     or "dev" (a device)."""
-    import sysconfig
-
     plan = [("link", p) if os.path.islink(p) else ("bind", p) for p in SYSTEM_FOLDERS if os.path.lexists(p)]
-    install = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    install = python_installation()
     for path in [*sys.path, *install]:  # the Python installation; in the checkout only where it holds one (a venv)
         path = os.path.abspath(path) if path else ""
         if (os.path.isdir(path) and not _inside(ROOT, path)
@@ -609,7 +623,11 @@ def _serve_calls(world, channel, max_chars, timeout):
         if pid:
             if call[2]:
                 _remove(call[2])
-            used_cpu = os.WIFSIGNALED(status) and usage.ru_utime + usage.ru_stime >= cpu_limit(timeout) - 0.05
+            # RLIMIT_CPU's SIGKILL: the kernel checks that limit against CPU time sampled at scheduler ticks, wait4
+            # reports the exact run time, and on a loaded machine the two can differ by more than 0.05 s: half the
+            # limit tells a CPU-bound call from one killed early for another reason
+            used_cpu = (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+                        and usage.ru_utime + usage.ru_stime >= cpu_limit(timeout) / 2)
             channel.send(b"s" + ("timeout" if call[3] else "cpu" if used_cpu else _status(status)).encode())
             call = None
 
@@ -829,6 +847,7 @@ class PythonSandbox:
 
     def __init__(self, num_workers=1, timeout=5.0, memory_mb=512, file_mb=1, max_output_chars=512, modules=(),
                  _without=()):
+        check_python_outside_tmp(python_installation())
         self.timeout, self.max_chars = timeout, max_output_chars
         self.cap = 32 * max_output_chars + 1024  # bytes of a child's answer at most (12 a character at worst)
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
