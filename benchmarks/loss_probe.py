@@ -14,8 +14,9 @@ compute_loss (imported from the script, with its defaults) give:
 ppo.py is left out (its advantages come from a critic trained along the run, not from this batch alone), and
 grpo_async.py and grpo_tools.py have grpo.py's loss.
 
-    python benchmarks/loss_probe.py                                   # the toy (about a minute)
-    python benchmarks/loss_probe.py --model smollm2-135m --task chain_sum --prompts 8 --max_new_tokens 256
+    python benchmarks/loss_probe.py                                   # the toy (seconds)
+    python benchmarks/loss_probe.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,\
+        max_digits=1 --instruction user --prompts 8 --max_new_tokens 64 --learning_rate 1e-5 --name loss_probe_smollm2
 """
 
 import argparse
@@ -64,7 +65,8 @@ def load_script(script):
 
 def script_advantages(module, args, rollout, accelerator):
     """(B, T) advantages as the script's training loop and update_policy hand them to compute_loss: its own
-    compute_advantages, and the per-token factors some scripts fold in (named after the script)."""
+    compute_advantages, and the per-token factors some scripts fold in (named after the script). A token's sign
+    class (A > 0, A < 0) is read from these before high_entropy.py's mask, which probe applies."""
     batch, rewards, parts = rollout["batch"], rollout["rewards"], rollout["parts"]
     name = module.__name__
     if name == "gdpo":
@@ -76,11 +78,7 @@ def script_advantages(module, args, rollout, accelerator):
     advantages = module.compute_advantages(rewards, args)
     if name == "dapo" and args.loss_agg == "group-token-mean":
         advantages = advantages * module.group_token_weights(batch.mask, args.num_generations)
-    advantages = advantages[:, None] * batch.mask
-    if name == "high_entropy":  # the policy gradient of the top tokens by pi_old's entropy (the batch: one mini-batch)
-        threshold = module.entropy_threshold(rollout["old_entropy"], batch.mask, args.top_entropy_frac, accelerator)
-        advantages = advantages * (rollout["old_entropy"] >= threshold).float()
-    return advantages
+    return advantages[:, None] * batch.mask
 
 
 def loss_gradient(module, args, rollout, advantages, policy, micro_batch_size):
@@ -105,13 +103,17 @@ def loss_gradient(module, args, rollout, advantages, policy, micro_batch_size):
 
 def probe(module, args, rollout, policy, accelerator, micro_batch_size):
     """-> (the policy-gradient terms' flat gradient and per-token weights (beta = 0), the KL term's gradient norm
-    (0 without one), the algorithm's advantages (B, T))."""
-    advantages = script_advantages(module, args, rollout, accelerator)
+    (0 without one), the algorithm's advantages (B, T), before high_entropy.py's mask)."""
+    advantages = trained = script_advantages(module, args, rollout, accelerator)
+    if module.__name__ == "high_entropy":  # the policy gradient of the top tokens by pi_old's entropy (one mini-batch)
+        threshold = module.entropy_threshold(rollout["old_entropy"], rollout["batch"].mask, args.top_entropy_frac,
+                                             accelerator)
+        trained = advantages * (rollout["old_entropy"] >= threshold).float()
     pg_args = dataclasses.replace(args, beta=0.0) if getattr(args, "beta", 0.0) else args
-    gradient, weights = loss_gradient(module, pg_args, rollout, advantages, policy, micro_batch_size)
+    gradient, weights = loss_gradient(module, pg_args, rollout, trained, policy, micro_batch_size)
     kl_norm = 0.0
     if pg_args is not args:  # the whole loss's gradient less the policy-gradient terms' is the KL term's
-        kl_norm = float((loss_gradient(module, args, rollout, advantages, policy, micro_batch_size)[0] - gradient)
+        kl_norm = float((loss_gradient(module, args, rollout, trained, policy, micro_batch_size)[0] - gradient)
                         .double().norm())
     return gradient, weights, kl_norm, advantages
 
@@ -191,6 +193,7 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default=None, help="results file name (default: loss_probe_<task>)")
+    parser.add_argument("--out", default=None, help="write <out>.md, .jsonl, .png there instead of benchmarks/results")
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
     start = time.time()
@@ -239,8 +242,11 @@ def main():
 
 def write_results(cli, context, results):
     name = cli.name or f"loss_probe_{cli.task}"
-    path = os.path.join(ROOT, "benchmarks", "results", name)
-    command = "python benchmarks/loss_probe.py " + " ".join(sys.argv[1:])
+    path = cli.out or os.path.join(ROOT, "benchmarks", "results", name)
+    argv = sys.argv[1:]
+    if cli.out:
+        argv = argv[:argv.index("--out")] + argv[argv.index("--out") + 2:]
+    command = "python benchmarks/loss_probe.py " + " ".join(argv)
     lines = [f"# {name}", "", f"Command: `{command.strip()}`", "",
              f"{context['completions']} completions ({context['tokens']} tokens) of {context['model']} on "
              f"{context['task']}, mean reward {context['reward_mean']:.3f}; the policy then took {context['moves']} "

@@ -101,6 +101,26 @@ def test_trainer_passes_runs_and_its_variants_agree(tmp_path):
 
 
 @pytest.mark.slow
+def test_loss_probe_runs_and_tells_the_losses_apart(tmp_path):
+    """4 prompts of the toy: GRPO against itself is 1; grpo_kl's policy-gradient terms are GRPO's (only the KL term
+    differs, and its gradient is smaller than k3's); high_entropy.py gives no policy gradient to most tokens of either
+    sign (it keeps the top 20 % by entropy); CISPO clips no token's gradient away; Dr. GRPO's gradient is smaller
+    (no std, a constant normalizer)."""
+    out = run_script(["benchmarks/loss_probe.py", "--prompts", "4", "--threads", "1", "--out", str(tmp_path / "p")])
+    assert (tmp_path / "p.md").read_text().strip() in out
+    assert "Command: `python benchmarks/loss_probe.py --prompts 4 --threads 1`" in out
+    header, _, *rows = table_rows(out, 9)
+    assert header[1] == "gradient cosine vs GRPO"
+    row = {r[0]: r for r in rows}
+    pct = lambda cell: float(cell.rstrip("%")) / 100  # noqa: E731
+    assert row["grpo"][1:4] == ["1.000", "1.000", "1.000"] and row["grpo_kl"][1:4] == ["1.000", "1.000", "1.000"]
+    assert float(row["grpo_kl"][8]) < float(row["grpo"][8])
+    assert pct(row["high_entropy"][4]) > 0.7 and pct(row["high_entropy"][5]) > 0.7
+    assert row["cispo"][4:6] == ["0.00%", "0.00%"]
+    assert float(row["dr_grpo"][2]) < 1
+
+
+@pytest.mark.slow
 def test_prompt_start_runs_on_the_real_model(tmp_path):
     """Tiny: 2 problems, 1 sample, 4 new tokens (the first use converts the GGUF file, about 30 s)."""
     path = tmp_path / "prompt_start.md"
