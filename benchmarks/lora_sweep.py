@@ -107,14 +107,15 @@ def plot(path, name, runs_by_rank, best):
     for rank, runs in runs_by_rank.items():
         label = f"{'full fine-tuning' if rank == 0 else f'LoRA rank {rank}'} ({best[rank].split('_')[-1]})"
         rewards = np.mean([[r["charts/reward"] for r in run["rows"]] for run in runs], axis=0)
-        smooth = np.convolve(rewards, np.ones(10) / 10, mode="valid")
-        (line,) = left.plot(np.arange(10, len(rewards) + 1), smooth, label=label)
+        window = min(10, len(rewards))  # a short run: its whole length
+        smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
+        (line,) = left.plot(np.arange(window, len(rewards) + 1), smooth, label=label)
         evals = [[(r["step"], r["eval/pass@1_greedy"]) for r in run["rows"] if "eval/pass@1_greedy" in r]
                  for run in runs]
         steps = [s for s, _ in evals[0]]
         right.plot(steps, np.mean([[v for _, v in e] for e in evals], axis=0), marker="o", color=line.get_color(),
                    label=label)
-    left.set(xlabel="step", ylabel="reward (10-step moving average, mean over seeds)")
+    left.set(xlabel="step", ylabel="reward (moving average of up to 10 steps, mean over seeds)")
     right.set(xlabel="step", ylabel="held-out greedy pass@1 (mean over seeds)")
     left.legend()
     fig.suptitle(f"{name}: each at its best learning rate")
