@@ -14,7 +14,7 @@ train: $(VENV)/installed
 	$(PY) grpo.py
 
 test: $(VENV)/installed
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=15
 
 test-fast: $(VENV)/installed
 	$(PY) -m pytest -q -n 2 -m "not slow"
