@@ -30,6 +30,25 @@ def test_the_default_run_checks_itself(tmp_path):
     assert os.listdir(tmp_path) == ["grpo__1"] and os.listdir(tmp_path / "grpo__1") == ["self_check.md"]
 
 
+def test_a_run_whose_reward_workers_import_the_main_file_again(tmp_path):
+    """The self-check starts each run from a wrapper file. The reward workers (forkserver) import the main file again,
+    so a wrapper without a main guard would start a second run in each worker, and the pool breaks at its first check
+    (as on every task checked by math-verify or reasoning-gym; the toy's exact match needs no worker)."""
+    from utils.selfcheck import WRAPPER
+
+    tiny = tmp_path / "tiny.py"
+    tiny.write_text("import dataclasses\nfrom utils.rewards import score_completions\n\n\n@dataclasses.dataclass\n"
+                    "class Args:\n    gold: str = 'x + 1'\n\n\ndef main(args):\n"
+                    "    print('scored', score_completions(['\\\\boxed{1 + x}'], [args.gold], 'math', 'boxed'))\n")
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER.format(script=str(tiny), patch=""))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, str(wrapper)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    # without the guard the worker's check fails (its error counted) and the completion scores 0
+    assert proc.returncode == 0 and proc.stdout.count("scored ([1.0], [1.0]") == 1, proc.stdout + proc.stderr[-3000:]
+
+
 def test_two_processes_check_as_two_processes(tmp_path):
     proc = self_check("grpo.py", ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_size", "8"],
                       tmp_path, launcher=two_processes(29571))

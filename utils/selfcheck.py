@@ -23,16 +23,24 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 import numpy as np
 
 WRAPPER = """import importlib.util, sys, tyro
-spec = importlib.util.spec_from_file_location("script", {script!r})
-script = importlib.util.module_from_spec(spec)
-sys.modules["script"] = script
-spec.loader.exec_module(script)
+
+
+def run():
+    spec = importlib.util.spec_from_file_location("script", {script!r})
+    script = importlib.util.module_from_spec(spec)
+    sys.modules["script"] = script
+    spec.loader.exec_module(script)
 {patch}
-script.main(tyro.cli(script.Args, args=sys.argv[1:]))
+    script.main(tyro.cli(script.Args, args=sys.argv[1:]))
+
+
+if __name__ == "__main__":  # the reward workers (forkserver) import this file again: they must not start a run
+    run()
 """
 BREAK_PUSH = """import torch
 from utils.parallel import policy_weights
@@ -111,7 +119,7 @@ def _runner(script, argv, folder):
     def run(name, extra, patch="", other_script=None):
         wrapper = os.path.join(folder, f"{name}_launch.py")
         with open(wrapper, "w") as f:
-            f.write(WRAPPER.format(script=other_script or script, patch=patch))
+            f.write(WRAPPER.format(script=other_script or script, patch=textwrap.indent(patch, "    ")))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         launch = [sys.executable] if world == 1 else [sys.executable, "-m", "accelerate.commands.launch",
                                                       "--multi_gpu", "--num_processes", str(world),
