@@ -3,7 +3,7 @@
 critic, the high-entropy-token threshold and kept fraction, accuracy and format over the first 5 steps), and the steps
 at which the 10-step mean reward reached 0.7, 0.8 and 0.9.
 
-    python benchmarks/run_stats.py runs/benchmarks/toy_family runs/benchmarks/toy_reading_list
+    python benchmarks/run_stats.py runs/benchmarks/toy_family runs/benchmarks/toy_papers
 """
 
 import glob
