@@ -71,6 +71,24 @@ def test_merged_weights_are_peft_merge_and_compute_as_the_adapted_policy():
                if "lora" not in n and "base_layer" not in n)  # the trainer's own weights untouched
 
 
+def test_merged_weights_under_gradient_checkpointing():
+    """Checkpointing wraps every decoder layer (its modules gain a `_checkpoint_wrapped_module.` in their names, the
+    state dict does not): the merge finds each adapted layer all the same, as with --gradient_checkpointing auto on
+    every pretrained model."""
+    from utils.models import gradient_checkpointing
+
+    args, accelerator, tokenizer, base, policy = lora_policy()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    plain = dict(merged_weights(policy))
+    wrapped = gradient_checkpointing(policy, "on", args.model)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.named_modules())
+    merged = dict(merged_weights(wrapped))
+    assert list(merged) == list(plain) and all(torch.equal(merged[n], plain[n]) for n in plain)
+
+
 def test_the_critic_trains_its_adapters_and_its_value_head():
     import ppo
 

@@ -37,7 +37,12 @@ def merged_weights(model, gather=lambda tensor: tensor, state=None):
     `state` (a full state dict of the model) or the model's own, whose tensors `gather` makes full (FSDP2's DTensors:
     every process then runs the same gathers in the same order). One tensor at a time; the trainer's weights are
     untouched."""
-    modules, state = dict(model.named_modules()), model.state_dict() if state is None else state
+    modules = {}  # by the state dict's names: a checkpointing or compile wrapper's prefix is not in them
+    for module_name, module in model.named_modules():
+        for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
+            module_name = module_name.replace(prefix, "")
+        modules.setdefault(module_name, module)
+    state = model.state_dict() if state is None else state
     for name, tensor in state.items():
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
             continue  # folded into their layer's weight below; peft's copy of a module that trains whole
