@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from utils.models import plain_name
+
 PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's own parameter names
 
 
@@ -37,11 +39,7 @@ def merged_weights(model, gather=lambda tensor: tensor, state=None):
     `state` (a full state dict of the model) or the model's own, whose tensors `gather` makes full (FSDP2's DTensors:
     every process then runs the same gathers in the same order). One tensor at a time; the trainer's weights are
     untouched."""
-    modules = {}  # by the state dict's names: a checkpointing or compile wrapper's prefix is not in them
-    for module_name, module in model.named_modules():
-        for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
-            module_name = module_name.replace(prefix, "")
-        modules.setdefault(module_name, module)
+    modules = {plain_name(name): module for name, module in model.named_modules()}  # by the state dict's names
     state = model.state_dict() if state is None else state
     for name, tensor in state.items():
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:

@@ -110,6 +110,17 @@ def for_training(model, run, model_name, trainable=()):
     return gradient_checkpointing(model, run.gradient_checkpointing, model_name)
 
 
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+
+
+def plain_name(name):
+    """A parameter's or module's name without the prefixes activation checkpointing and torch.compile put in it: the
+    Hugging Face model's own name, as the engine and a state dict know it."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def gradient_checkpointing(model, setting, model_name):
     """Recompute each decoder layer in the backward pass instead of keeping its activations: only the layer inputs
     stay in memory. setting "on", "off", or "auto": on for every model but the embedded one (and models trained from

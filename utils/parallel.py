@@ -9,9 +9,9 @@ import socket
 import torch
 
 from utils.lora import is_lora, merged_weights, save_adapters_only
+from utils.models import plain_name
 
 VLLM_SUPPORTED = ((0, 26), (0, 40))  # [lowest, first unsupported): the releases whose push API the engine code uses
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
 
 
 def make_accelerator():
@@ -79,9 +79,7 @@ def policy_weights(model, accelerator):
         yield from merged_weights(unwrapped, gather)
         return
     for name, tensor in unwrapped.state_dict().items():
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        yield name, gather(tensor)
+        yield plain_name(name), gather(tensor)
 
 
 def free_port():
