@@ -21,9 +21,10 @@ those 4 are trained on, and the other 2 continue next step from where they stopp
 version stale. --max_staleness 0 --tis_cap 0 is grpo.py, exactly (tested).
 
 What `diff grpo.py grpo_async.py` shows: the async flags (and --tis_cap on by default: it is the staleness
-correction), generation that stops once enough groups are complete (generate_partial, PartialDecoder), the carried
-groups in the training loop with their staleness metrics, the checkpoint that saves them, and update_policy's
-log-prob gap measured on the tokens this step's weights sampled (older ones were sampled by older weights).
+correction), generation that stops once enough groups are complete (generate_partial; the engines' side is
+utils/partial_rollouts.py), the carried groups in the training loop with their staleness metrics, the checkpoint that
+saves them, and update_policy's log-prob gap measured on the tokens this step's weights sampled (older ones were
+sampled by older weights).
 """
 
 import glob
@@ -51,6 +52,7 @@ from utils.memory import memory_line, trainer_memory
 from utils.models import for_training, load_tokenizer, resolve_model
 from utils.parallel import (clip_gradients, free_port, gradient_sync, make_accelerator, policy_weights,
                             prepare_reference)
+from utils.partial_rollouts import decode_partial
 from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
 from utils.rollout_page import token_recorder
@@ -383,29 +385,6 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
                    else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
 
 
-class PartialDecoder(HFDecoder):
-    """The HF decode loop for partial rollouts: each row its own token budget (a continued completion has fewer left),
-    and decoding stops as soon as groups_needed groups (a group id per row) have every row finished; the running rows
-    come back with the tokens they have, and `finished` says which rows ended."""
-
-    def __init__(self, stop_ids, budgets, groups, groups_needed):
-        super().__init__(stop_ids)
-        self.budgets, self.groups_needed, self.group_of = budgets, groups_needed, torch.tensor(groups)
-        self.rows_left = torch.bincount(self.group_of)  # rows still running per group; a group is complete at 0
-        self.given = self.rows_left > 0  # an id without rows here (a group complete before) is never counted
-        self.finished, self.decode_calls = torch.zeros(len(groups), dtype=torch.bool), 0
-
-    def limits(self, num_rows, max_new_tokens):
-        return torch.tensor(self.budgets)
-
-    def enough(self, ended):
-        ended = ended.cpu()
-        self.finished[ended] = True
-        self.rows_left.index_add_(0, self.group_of[ended], -torch.ones_like(ended))
-        self.decode_calls += 1
-        return int(((self.rows_left == 0) & self.given).sum()) >= self.groups_needed
-
-
 def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, temperature, top_p, max_new_tokens,
                      accelerator, policy_version):
     """Continue every unfinished completion of `groups` (a new one has no tokens yet) from prompt + its tokens so far,
@@ -413,38 +392,12 @@ def generate_partial(engine, model, tokenizer, groups, prompts, groups_needed, t
     engine log-probs and policy_version per token. prompts: each group's prompt ids. Returns (seconds spent pushing
     weights, decode calls of the HF loop or engine steps of vLLM)."""
     rows = [(g, c) for g, group in enumerate(groups) for c in group["completions"] if not c["finished"]]
-    prefixes = [prompts[g] + c["token_ids"] for g, c in rows]
-    budgets = [max_new_tokens - len(c["token_ids"]) for _, c in rows]  # each completion's tokens left
     sync_time = wake_engine(engine, model, accelerator, policy_version)  # 0.0 for the HF loop
-    if engine.llm is None:
-        decoder = PartialDecoder(engine.stop_ids, budgets, [g for g, _ in rows], groups_needed)
-        samples = decoder.generate(model, tokenizer, prefixes or prompts[:1], 1, temperature, top_p,
-                                   max(budgets, default=1), accelerator)[:len(rows)]
-        finished, calls = decoder.finished.tolist(), decoder.decode_calls
-    else:  # the request-level API: step the engine until enough groups are complete, then abort the others
-        from vllm import SamplingParams
-
-        rows_left, call = [0] * len(groups), f"v{policy_version}.{time.monotonic_ns()}"  # request ids: call-row
-        for i, ((g, _), prefix, budget) in enumerate(zip(rows, prefixes, budgets)):
-            rows_left[g] += 1
-            engine.llm.llm_engine.add_request(f"{call}-{i}", {"prompt_token_ids": prefix}, SamplingParams(
-                temperature=temperature, top_p=top_p, max_tokens=budget, logprobs=0, stop_token_ids=engine.stop_ids))
-        latest, calls, complete = {}, 0, 0
-        while engine.llm.llm_engine.has_unfinished_requests() and complete < groups_needed:
-            calls += 1
-            for out in engine.llm.llm_engine.step():  # cumulative: each output holds all of its request's tokens
-                i = int(out.request_id.rsplit("-", 1)[1])
-                latest[i] = out.outputs[0]
-                if out.finished:
-                    rows_left[rows[i][0]] -= 1
-                    complete += rows_left[rows[i][0]] == 0
-        engine.llm.llm_engine.abort_request([f"{call}-{i}" for i in range(len(rows)) if
-                                             i not in latest or latest[i].finish_reason is None])
-        sleep_engine(engine)
-        outputs = [latest.get(i) for i in range(len(rows))]  # a request never stepped has no tokens yet
-        samples = [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)],
-                          o.finish_reason == "length") if o else Sample([], [], False) for o in outputs]
-        finished = [o is not None and o.finish_reason is not None for o in outputs]
+    samples, finished, calls = decode_partial(
+        engine, model, tokenizer, [prompts[g] + c["token_ids"] for g, c in rows],
+        [max_new_tokens - len(c["token_ids"]) for _, c in rows], [g for g, _ in rows], groups_needed, temperature,
+        top_p, accelerator, fallback=prompts[:1])
+    sleep_engine(engine)
     for (_, completion), sample, done in zip(rows, samples, finished):
         completion["token_ids"] += sample.token_ids
         completion["logprobs"] += sample.logprobs

@@ -371,15 +371,8 @@ def sleep_engine(engine):
 
 
 class ToolDecoder(HFDecoder):
-    """The HF decode loop for one turn: each row its own token budget, and a row that reaches TOOL_STOP ends there,
-    its tokens kept (as vLLM's stop strings)."""
-
-    def __init__(self, stop_ids, budgets):
-        super().__init__(stop_ids)
-        self.budgets = budgets
-
-    def limits(self, num_rows, max_new_tokens):
-        return torch.tensor(self.budgets)
+    """The HF decode loop for one turn (each row its own token budget): a row that reaches TOOL_STOP ends there, its
+    tokens kept (as vLLM's stop strings)."""
 
     def stops(self, tokenizer, tokens, rows, t):  # only the newest tokens can complete it (every token is >= 1 char)
         tails = tokenizer.batch_decode(tokens[rows, max(0, t + 1 - len(TOOL_STOP)):t + 1].tolist())
@@ -399,23 +392,6 @@ def sample(engine, model, tokenizer, prompts, n, temperature, top_p, budgets, ac
     outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
                    else None, o.finish_reason == "length") for out in outputs for o in out.outputs]
-
-
-def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
-    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
-    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
-    if engine.llm is None:
-        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
-                                                   accelerator), 0.0
-    from vllm import SamplingParams
-
-    sync_time = wake_engine(engine, model, accelerator, policy_version)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                            stop_token_ids=engine.stop_ids)
-    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    sleep_engine(engine)
-    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
-                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
 
 
 # ---- Tool calls -----------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import grpo_async
 from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import setup
+from utils.partial_rollouts import PartialDecoder
 
 
 def new_groups(count, G):
@@ -24,7 +25,7 @@ def test_hf_decode_loop_stops_once_enough_groups_are_complete():
     prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
     rows = [p for p in prompts for _ in range(3)]  # 4 groups of 3
     groups = [i // 3 for i in range(12)]
-    decoder = grpo_async.PartialDecoder([tokenizer.eos_token_id], [48] * 12, groups, groups_needed=1)
+    decoder = PartialDecoder([tokenizer.eos_token_id], [48] * 12, groups, groups_needed=1)
     samples = decoder.generate(model, tokenizer, rows, 1, 1.0, 1.0, 48, accelerator)
     finished = decoder.finished.tolist()
     whole = [g for g in range(4) if all(finished[i] for i in range(3 * g, 3 * g + 3))]
@@ -36,7 +37,7 @@ def test_hf_decode_loop_stops_once_enough_groups_are_complete():
         if not done:  # every unfinished row has every step's token and no stop token
             assert len(sample.token_ids) == decoder.decode_calls and tokenizer.eos_token_id not in sample.token_ids
     # budgets: each row's own limit; at the limit a row is finished and truncated
-    decoder = grpo_async.PartialDecoder([tokenizer.eos_token_id], [2, 48, 5], [0, 0, 0], groups_needed=1)
+    decoder = PartialDecoder([tokenizer.eos_token_id], [2, 48, 5], [0, 0, 0], groups_needed=1)
     capped = decoder.generate(model, tokenizer, rows[:3], 1, 1.0, 1.0, 48, accelerator)
     assert len(capped[0].token_ids) <= 2 and len(capped[2].token_ids) <= 5
     assert decoder.finished.all() and (capped[0].truncated or capped[0].token_ids[-1] == tokenizer.eos_token_id)

@@ -21,15 +21,12 @@ class HFDecoder:
     Each prompt is prefilled once for its n completions and finished rows leave the batch and the cache, so a decode
     step costs the completions still running (2.1x faster than transformers' generate() on the toy:
     benchmarks/hf_decode.py). Under FSDP every rank runs every forward pass (each gathers the weights): a rank whose
-    rows are done keeps a dummy row until every rank is done. Rollouts of another shape subclass it (grpo_async.py,
-    grpo_tools.py) and override the three hooks below; here they change nothing."""
+    rows are done keeps a dummy row until every rank is done. `budgets`: each row's own limit of new tokens (a
+    continued completion has fewer left; None: max_new_tokens for every row). Rollouts of another shape subclass it
+    (utils/partial_rollouts.py, grpo_tools.py) and override the two hooks below; here they change nothing."""
 
-    def __init__(self, stop_ids):
-        self.stop_ids = stop_ids
-
-    def limits(self, num_rows, max_new_tokens):
-        """(num_rows,) the new tokens each row may have."""
-        return torch.full((num_rows,), max_new_tokens)
+    def __init__(self, stop_ids, budgets=None):
+        self.stop_ids, self.budgets = stop_ids, budgets
 
     def stops(self, tokenizer, tokens, rows, t):
         """(len(rows),) bool: rows that end at step t for another reason than a stop token (not truncated)."""
@@ -53,7 +50,8 @@ class HFDecoder:
         tokens = torch.full((total + 1, max_new_tokens), tokenizer.pad_token_id, device=device)  # the last: dummy's
         logprobs = torch.zeros(total + 1, max_new_tokens, device=device)
         lengths, cut = torch.zeros(total + 1, dtype=torch.long, device=device), torch.zeros_like(tokens[:, 0]).bool()
-        limits = torch.cat([self.limits(total, max_new_tokens), torch.tensor([max_new_tokens])]).to(device)
+        own = torch.full((total,), max_new_tokens) if self.budgets is None else torch.tensor(self.budgets)
+        limits = torch.cat([own, torch.tensor([max_new_tokens])]).to(device)
         rows = torch.arange(total, device=device)  # the output row of each batch row
         cache, input_ids = DynamicCache(config=unwrapped.config), inputs["input_ids"]
         with torch.inference_mode(not fsdp):  # cheaper than no_grad; FSDP2 must not gather weights as inference tensors
