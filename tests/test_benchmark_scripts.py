@@ -121,6 +121,21 @@ def test_loss_probe_runs_and_tells_the_losses_apart(tmp_path):
 
 
 @pytest.mark.slow
+def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_path):
+    """The toy, 2 steps: full fine-tuning and LoRA rank 1, each with glibc's default and a fixed mmap threshold."""
+    out = run_script(["benchmarks/run_memory.py", "--ranks", "0", "1", "--thresholds", "0", "131072", "--steps", "2",
+                      "--name", "toy_memory", "--out", str(tmp_path), "--output_dir", str(tmp_path / "runs"), "--",
+                      "--num_generations", "4"])
+    assert (tmp_path / "toy_memory.md").read_text().strip() in out
+    header, _, *rows = table_rows(out, 6)
+    assert header[:3] == ["training", "MALLOC_MMAP_THRESHOLD_", "peak RSS GiB"]
+    assert [row[:2] for row in rows] == [["full", "glibc default"], ["full", "131072"],
+                                         ["LoRA rank 1", "glibc default"], ["LoRA rank 1", "131072"]]
+    assert rows[0][3] == rows[1][3] == "1.00" and all(float(row[2]) > 0 for row in rows)
+    assert len(list((tmp_path / "runs" / "toy_memory").glob("*/metrics.jsonl"))) == 4
+
+
+@pytest.mark.slow
 def test_prompt_start_runs_on_the_real_model(tmp_path):
     """Tiny: 2 problems, 1 sample, 4 new tokens (the first use converts the GGUF file, about 30 s)."""
     path = tmp_path / "prompt_start.md"

@@ -1,0 +1,98 @@
+"""Peak resident memory of a real run on the CPU: full fine-tuning against LoRA, with glibc's allocator as it comes and
+with freed memory handed back to the system at once.
+
+    python benchmarks/run_memory.py                     # the README's SmolLM2-135M run, 3 steps each
+    python benchmarks/run_memory.py --ranks 0 1 --thresholds 0 131072 1048576 --jobs 3
+    python benchmarks/run_memory.py --steps 2 -- --num_generations 4       # the toy (grpo.py's defaults), other flags
+
+Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA at 10x the README's learning
+rate, 1e-4) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for --steps steps (no
+evaluation, the checkpoint only at the end) once under each glibc setting: MALLOC_MMAP_THRESHOLD_=N for N in
+--thresholds, 0 meaning glibc's default (a dynamic threshold that rises up to 32 MiB, so the freed blocks of tensors
+below it stay in the process's heap for reuse); with N set, every allocation above N bytes is mapped on its own and
+unmapped when freed, and the resident memory follows what the tensors hold. The peak is the training process's
+`memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the step time is the median of the
+steps after the first. Ratios are against full fine-tuning under the same setting, measured in the same invocation; a
+rank's settings are started together (--jobs as many as --thresholds) so that they see the same load.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README_RUN = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1",
+              "--instruction", "user", "--engine", "hf", "--prompts_per_step", "4", "--max_new_tokens", "64",
+              "--learning_rate", "1e-5"]
+
+
+def one_run(rank, threshold, steps, threads, out_dir, flags):
+    name = f"r{rank}_mmap{threshold}"
+    shutil.rmtree(os.path.join(out_dir, f"{name}__1"), ignore_errors=True)
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    lora = ["--lora_rank", str(rank), "--learning_rate", "1e-4"] if rank else []
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, *lora, "--total_steps", str(steps),
+           "--eval_every", "0", "--save_every", "0", "--threads", str(threads), "--output_dir", out_dir,
+           "--exp_name", name]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, f"{name}__1", "metrics.jsonl"))]
+    return {"rank": rank, "threshold": threshold, "wall_s": time.time() - start,
+            "rss_gb": rows[-1]["memory/rss_gb_max"], "step_s": statistics.median(r["time/step"] for r in rows[1:])}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", nargs="+", type=int, default=[0, 1, 64])
+    parser.add_argument("--thresholds", nargs="+", type=int, default=[0, 131072])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--name", default="smollm2_memory")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder of the results")
+    parser.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "benchmarks"), help="folder of the runs")
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: grpo.py's flags instead of the README's")
+    args = parser.parse_args()
+    flags = [a for a in args.flags if a != "--"] or README_RUN
+    out_dir = os.path.join(args.output_dir, args.name)
+    cases = [(rank, threshold) for rank in args.ranks for threshold in args.thresholds]  # a rank's settings together
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda case: one_run(*case, args.steps, args.threads, out_dir, flags), cases))
+    for r in results:
+        print(json.dumps(r), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
+    load = os.getloadavg()[1]
+    described = "the README's SmolLM2 flags" if flags == README_RUN else " ".join(flags)
+    lines = [f"`python benchmarks/run_memory.py {' '.join(sys.argv[1:])}` (grpo.py, {described}, "
+             f"{args.steps} steps, {args.threads} thread(s) per run, {args.jobs} run(s) at a time; load average over "
+             f"the last 5 minutes at the end: {load:.1f} on {os.cpu_count()} cores)", "",
+             "| training | MALLOC_MMAP_THRESHOLD_ | peak RSS GiB | peak RSS / full | median step s | "
+             "step time / full |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        full = next(b for b in results if b["rank"] == 0 and b["threshold"] == r["threshold"])
+        same = next(b for b in results if b["rank"] == r["rank"] and b["threshold"] == 0)
+        lines.append(f"| {'full' if r['rank'] == 0 else 'LoRA rank ' + str(r['rank'])} | "
+                     f"{r['threshold'] or 'glibc default'} | {r['rss_gb']:.2f} | {r['rss_gb'] / full['rss_gb']:.2f} | "
+                     f"{r['step_s']:.1f} | {r['step_s'] / full['step_s']:.2f}"
+                     + (f" ({r['step_s'] / same['step_s']:.2f}x glibc default's)" if r["threshold"] else "") + " |")
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
