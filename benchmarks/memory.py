@@ -3,17 +3,21 @@ at a time (utils/logprobs.py) against the whole-vocabulary float32 log-softmax, 
 off; and the estimate every run prints at start (utils/memory.py) against what was measured.
 
     python benchmarks/memory.py                          # Qwen2.5-0.5B and 1.5B widths, 2 layers, completions 512-4096
-    python benchmarks/memory.py --layers 24 --lengths 512 1024 --models qwen2.5-0.5b --name memory_full_depth
+    python benchmarks/memory.py --layers 24 --lengths 1024 2048 --models qwen2.5-0.5b --name memory_full_depth
 
 Each case runs in a fresh process: a Qwen2 model of the shape with random weights (no hub), float32 on the CPU, one
 micro-batch of --micro_batch sequences of 64 prompt tokens and T completion tokens: forward through the trainer's
 token log-prob code, a policy-gradient loss, backward, and an AdamW step, three times. The log-prob pass's memory is
 the peak RSS (VmHWM, reset once the model is built) of the first forward, loss and backward over the RSS with the
 model loaded (activations, logits, gradients); the step's peak is the peak RSS of all three steps over the RSS before
-the model existed (weights and Adam's moments too), which the estimate is checked against; the step time is the median of the last two. The
-per-token cost is the slope of the log-prob pass's memory over T. Cases run interleaved,
-so the time ratios compare steps measured under the same load. The depth is cut to --layers on a CPU (the output
-layer and the per-layer terms are the same at any depth; the estimate takes the depth into account).
+the model existed (weights and Adam's moments too); the step time is the median of the last two. RSS counts what
+glibc's allocator keeps of freed memory too, so a fourth, untimed step runs under torch's MemTracker: its tensor peak
+is the most bytes the step's tensors held at once (parameters, gradients, optimizer state, activations, temporaries),
+what torch.cuda.max_memory_allocated measures on a GPU. The estimate is checked against both. The per-token cost is
+the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024) completion tokens, below which the log-prob
+chunk itself grows with T. Cases run interleaved, so the time ratios compare steps measured under the same load. The
+depth is cut to --layers on a CPU (the output layer and the per-layer terms are the same at any depth; the estimate
+takes the depth into account).
 """
 
 import argparse
@@ -52,6 +56,7 @@ def reset_peak():
 def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, threads):
     """Runs in its own process: the measurement of one case, as a dict."""
     import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from utils.logprobs import full_vocabulary_logprobs, token_logprobs
@@ -83,11 +88,26 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
         seconds.append(time.perf_counter() - start)
         del logp, loss
     peak = status("VmHWM") - before
+    tracker = MemTracker()  # one more step, untimed: the peak of the bytes its tensors hold, whatever the allocator
+    tracker.track_external(model, optimizer)
+    with tracker:
+        logp, _ = compute(model, ids, attention, PROMPT, 1.0)
+        (-(advantages * logp).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tensor_peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
     parts = estimate(config, parameters(model), 0, micro_batch, PROMPT + length, length, checkpointing == "on")
     return {"shape": shape, "layers": layers, "length": length, "logprobs": logprobs, "checkpointing": checkpointing,
             "micro_batch": micro_batch, "pass_gb": pass_peak / 2**30, "peak_gb": peak / 2**30,
+            "tensor_peak_gb": tensor_peak / 2**30,
             "step_s": statistics.median(seconds[1:]),
             "estimate_gb": parts["total"] / 2**30, "estimate": {k: v / 2**30 for k, v in parts.items()}}
+
+
+def slope(xs, ys):
+    """The least-squares slope of ys over xs."""
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
 
 
 def main():
@@ -121,27 +141,27 @@ def main():
         f.writelines(json.dumps(r) + "\n" for r in results)
     lines = [f"`python benchmarks/memory.py {' '.join(sys.argv[1:])}` ({opts.layers} layers, micro-batch "
              f"{opts.micro_batch} x (64 + T) tokens, float32, {opts.threads} threads, one process per case)", "",
-             "| model | T | log-probs | checkpointing | log-prob pass GB | step peak GB | estimate GB | estimate error | "
-             "step s | step time vs full, no checkpointing |", "|" + "---|" * 10]
+             "| model | T | log-probs | checkpointing | log-prob pass GB | step peak GB | tensor peak GB | "
+             "estimate GB | estimate error (RSS / tensors) | step s | step time vs full, no checkpointing |",
+             "|" + "---|" * 11]
     for r in results:
         base = next(b for b in results if b["shape"] == r["shape"] and b["length"] == r["length"] and
                     b["logprobs"] == "full")
+        error = [(r["estimate_gb"] - r[key]) / r[key] for key in ("peak_gb", "tensor_peak_gb")]
         lines.append(f"| {r['shape']} | {r['length']} | {r['logprobs']} | {r['checkpointing']} | {r['pass_gb']:.2f} | "
-                     f"{r['peak_gb']:.2f} | "
-                     f"{r['estimate_gb']:.2f} | {(r['estimate_gb'] - r['peak_gb']) / r['peak_gb']:+.0%} | "
-                     f"{r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x |")
-    lines += ["", "Per completion token (the slope of the log-prob pass's memory over T, least squares), MB:", "",
-              "| model | log-probs | checkpointing | MB per token |", "|---|---|---|---|"]
-    slopes = {}
+                     f"{r['peak_gb']:.2f} | {r['tensor_peak_gb']:.2f} | {r['estimate_gb']:.2f} | "
+                     f"{error[0]:+.0%} / {error[1]:+.0%} | {r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f}x |")
+    lines += ["", "Per completion token (the slope over T, least squares), MB: of the log-prob pass's resident memory, "
+              "of the step's, and of the step's tensor peak:", "",
+              "| model | log-probs | checkpointing | log-prob pass | step peak | tensor peak |",
+              "|---|---|---|---|---|---|"]
     for shape in opts.models:
         for logprobs, checkpointing in CASES:
-            points = [(r["length"], r["pass_gb"] * 1024) for r in results if r["shape"] == shape and
-                      r["logprobs"] == logprobs and r["checkpointing"] == checkpointing]
-            mean_t = statistics.mean(t for t, _ in points)
-            mean_m = statistics.mean(m for _, m in points)
-            slope = sum((t - mean_t) * (m - mean_m) for t, m in points) / sum((t - mean_t) ** 2 for t, _ in points)
-            slopes[(shape, logprobs, checkpointing)] = slope
-            lines.append(f"| {shape} | {logprobs} | {checkpointing} | {slope:.3f} |")
+            points = [r for r in results if r["shape"] == shape and r["logprobs"] == logprobs and
+                      r["checkpointing"] == checkpointing]
+            lines.append(f"| {shape} | {logprobs} | {checkpointing} | " + " | ".join(
+                f"{slope([r['length'] for r in points], [r[key] * 1024 for r in points]):.3f}"
+                for key in ("pass_gb", "peak_gb", "tensor_peak_gb")) + " |")
     path = write_results(opts.name, lines)
     try:
         import matplotlib
