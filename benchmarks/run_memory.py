@@ -5,15 +5,15 @@ with freed memory handed back to the system at once.
     python benchmarks/run_memory.py --ranks 0 1 --thresholds 0 131072 1048576 --jobs 3
     python benchmarks/run_memory.py --steps 2 -- --num_generations 4       # the toy (grpo.py's defaults), other flags
 
-Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA at 10x the README's learning
-rate, 1e-4) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for --steps steps (no
-evaluation, the checkpoint only at the end) once under each glibc setting: MALLOC_MMAP_THRESHOLD_=N for N in
---thresholds, 0 meaning glibc's default (a dynamic threshold that rises up to 32 MiB, so the freed blocks of tensors
-below it stay in the process's heap for reuse); with N set, every allocation above N bytes is mapped on its own and
-unmapped when freed, and the resident memory follows what the tensors hold. The peak is the training process's
-`memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the step time is the median of the
-steps after the first. Ratios are against full fine-tuning under the same setting, measured in the same invocation; a
-rank's settings are started together (--jobs as many as --thresholds) so that they see the same load.
+Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA with --learning_rate 1e-4, 10x the
+README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for
+--steps steps (no evaluation, the checkpoint only at the end) once under each glibc setting: MALLOC_MMAP_THRESHOLD_=N
+for N in --thresholds, 0 meaning glibc's default (a dynamic threshold that rises up to 32 MiB, so the freed blocks of
+tensors below it stay in the process's heap for reuse); with N set, every allocation above N bytes is mapped on its own
+and unmapped when freed, and the resident memory follows what the tensors hold. The peak is the training process's
+`memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the step time is the median of the steps
+after the first. Ratios are against full fine-tuning under the same setting, measured in the same invocation; a rank's
+settings are started together (--jobs as many as --thresholds) so that they see the same load.
 """
 
 import argparse
