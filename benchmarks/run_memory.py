@@ -1,19 +1,23 @@
-"""Peak resident memory of a real run on the CPU: full fine-tuning against LoRA, with glibc's allocator as it comes and
-with freed memory handed back to the system at once.
+"""Peak resident memory of a real run on the CPU: full fine-tuning against LoRA, under glibc's allocator as it comes,
+with glibc handing freed memory back at once, and under jemalloc and tcmalloc.
 
     python benchmarks/run_memory.py                     # the README's SmolLM2-135M run, 3 steps each
-    python benchmarks/run_memory.py --ranks 0 1 --thresholds 0 131072 1048576 --jobs 3
+    python benchmarks/run_memory.py --ranks 0 1 64 --allocators glibc mmap_threshold=1048576 jemalloc tcmalloc
     python benchmarks/run_memory.py --steps 2 -- --num_generations 4       # the toy (grpo.py's defaults), other flags
 
 Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA with --learning_rate 1e-4, 10x the
 README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for
---steps steps (no evaluation, the checkpoint only at the end) once under each glibc setting: MALLOC_MMAP_THRESHOLD_=N
-for N in --thresholds, 0 meaning glibc's default (a dynamic threshold that rises up to 32 MiB, so the freed blocks of
-tensors below it stay in the process's heap for reuse); with N set, every allocation above N bytes is mapped on its own
-and unmapped when freed, and the resident memory follows what the tensors hold. The peak is the training process's
-`memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the step time is the median of the steps
-after the first. Ratios are against full fine-tuning under the same setting, measured in the same invocation; a rank's
-settings are started together (--jobs as many as --thresholds) so that they see the same load.
+--steps steps (no evaluation, the checkpoint only at the end) once under each of --allocators:
+- glibc: the default. Its mmap threshold is dynamic and rises up to 32 MiB, so the freed blocks of tensors below it
+  stay in the process's heap for reuse, and the heap fragments as tensors of other sizes come and go;
+- mmap_threshold=N: MALLOC_MMAP_THRESHOLD_=N, every allocation above N bytes is mapped on its own and unmapped when
+  freed: resident memory follows what the tensors hold, and each large tensor's pages are faulted in afresh;
+- jemalloc, tcmalloc: the library preloaded (LD_PRELOAD=libjemalloc.so.2, libtcmalloc_minimal.so.4; Debian's
+  libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start.
+The peak is the training process's `memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the
+step time is the median of the steps after the first. Ratios are against full fine-tuning under the same allocator and
+against glibc's default for the same training, measured in the same invocation; a rank's allocators are started
+together (--jobs as many as --allocators) so that they see the same load.
 """
 
 import argparse
@@ -32,13 +36,35 @@ README_RUN = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max
               "--learning_rate", "1e-5"]
 
 
-def one_run(rank, threshold, steps, threads, out_dir, flags):
-    name = f"r{rank}_mmap{threshold}"
+PRELOADS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
+
+
+def allocator_env(allocator):
+    """The environment variables that select `allocator` -> dict; a one-line error for a name it does not know."""
+    if allocator == "glibc":
+        return {}
+    if allocator.startswith("mmap_threshold=") and allocator.split("=", 1)[1].isdigit():
+        return {"MALLOC_MMAP_THRESHOLD_": allocator.split("=", 1)[1]}
+    if allocator in PRELOADS:
+        return {"LD_PRELOAD": PRELOADS[allocator]}
+    raise SystemExit(f"error: --allocators {allocator}: use glibc, mmap_threshold=BYTES, {', '.join(PRELOADS)}")
+
+
+def check_loaded(allocator):
+    """A preloaded allocator that is not installed is skipped by the loader with a warning: fail here instead."""
+    env = {**os.environ, **allocator_env(allocator)}
+    if allocator in PRELOADS:
+        probe = "import sys; sys.exit(not any(sys.argv[1] in line for line in open('/proc/self/maps')))"
+        if subprocess.run([sys.executable, "-c", probe, allocator], env=env, capture_output=True).returncode:
+            raise SystemExit(f"error: --allocators {allocator}: {PRELOADS[allocator]} is not installed "
+                             f"(apt-get install {'libjemalloc2' if allocator == 'jemalloc' else 'libtcmalloc-minimal4'})")
+
+
+def one_run(rank, allocator, steps, threads, out_dir, flags):
+    name = f"r{rank}_{allocator.replace('=', '')}"
     shutil.rmtree(os.path.join(out_dir, f"{name}__1"), ignore_errors=True)
-    env = dict(os.environ)
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")}
+    env.update(allocator_env(allocator))
     lora = ["--lora_rank", str(rank), "--learning_rate", "1e-4"] if rank else []
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, *lora, "--total_steps", str(steps),
            "--eval_every", "0", "--save_every", "0", "--threads", str(threads), "--output_dir", out_dir,
@@ -48,14 +74,21 @@ def one_run(rank, threshold, steps, threads, out_dir, flags):
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out_dir, f"{name}__1", "metrics.jsonl"))]
-    return {"rank": rank, "threshold": threshold, "wall_s": time.time() - start,
+    return {"rank": rank, "allocator": allocator, "wall_s": time.time() - start,
             "rss_gb": rows[-1]["memory/rss_gb_max"], "step_s": statistics.median(r["time/step"] for r in rows[1:])}
+
+
+def describe(allocator):
+    if allocator.startswith("mmap_threshold="):
+        return f"glibc, MALLOC_MMAP_THRESHOLD_={allocator.split('=', 1)[1]}"
+    return "glibc default" if allocator == "glibc" else f"{allocator} (LD_PRELOAD)"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", nargs="+", type=int, default=[0, 1, 64])
-    parser.add_argument("--thresholds", nargs="+", type=int, default=[0, 131072])
+    parser.add_argument("--allocators", nargs="+", default=["glibc", "mmap_threshold=131072"],
+                        help="glibc, mmap_threshold=BYTES, jemalloc, tcmalloc")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=2)
@@ -66,7 +99,9 @@ def main():
     args = parser.parse_args()
     flags = [a for a in args.flags if a != "--"] or README_RUN
     out_dir = os.path.join(args.output_dir, args.name)
-    cases = [(rank, threshold) for rank in args.ranks for threshold in args.thresholds]  # a rank's settings together
+    for allocator in args.allocators:
+        check_loaded(allocator)
+    cases = [(rank, allocator) for rank in args.ranks for allocator in args.allocators]  # a rank's together
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda case: one_run(*case, args.steps, args.threads, out_dir, flags), cases))
     for r in results:
@@ -79,16 +114,16 @@ def main():
     lines = [f"`python benchmarks/run_memory.py {' '.join(sys.argv[1:])}` (grpo.py, {described}, "
              f"{args.steps} steps, {args.threads} thread(s) per run, {args.jobs} run(s) at a time; load average over "
              f"the last 5 minutes at the end: {load:.1f} on {os.cpu_count()} cores)", "",
-             "| training | MALLOC_MMAP_THRESHOLD_ | peak RSS GiB | peak RSS / full | median step s | "
-             "step time / full |",
-             "|---|---|---|---|---|---|"]
+             "| training | allocator | peak RSS GiB | peak RSS / full | median step s | step time / full | "
+             "step time / glibc default's |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
-        full = next(b for b in results if b["rank"] == 0 and b["threshold"] == r["threshold"])
-        same = next(b for b in results if b["rank"] == r["rank"] and b["threshold"] == 0)
-        lines.append(f"| {'full' if r['rank'] == 0 else 'LoRA rank ' + str(r['rank'])} | "
-                     f"{r['threshold'] or 'glibc default'} | {r['rss_gb']:.2f} | {r['rss_gb'] / full['rss_gb']:.2f} | "
-                     f"{r['step_s']:.1f} | {r['step_s'] / full['step_s']:.2f}"
-                     + (f" ({r['step_s'] / same['step_s']:.2f}x glibc default's)" if r["threshold"] else "") + " |")
+        full = next(b for b in results if b["rank"] == 0 and b["allocator"] == r["allocator"])
+        glibc = next((b for b in results if b["rank"] == r["rank"] and b["allocator"] == "glibc"), None)
+        vs_glibc = f"{r['step_s'] / glibc['step_s']:.2f}" if glibc else "-"
+        lines.append(f"| {'full' if r['rank'] == 0 else 'LoRA rank ' + str(r['rank'])} | {describe(r['allocator'])} | "
+                     f"{r['rss_gb']:.2f} | {r['rss_gb'] / full['rss_gb']:.2f} | {r['step_s']:.1f} | "
+                     f"{r['step_s'] / full['step_s']:.2f} | {vs_glibc} |")
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -7,6 +7,7 @@ import ast
 import glob
 import importlib
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -123,16 +124,41 @@ def test_loss_probe_runs_and_tells_the_losses_apart(tmp_path):
 @pytest.mark.slow
 def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_path):
     """The toy, 2 steps: full fine-tuning and LoRA rank 1, each with glibc's default and a fixed mmap threshold."""
-    out = run_script(["benchmarks/run_memory.py", "--ranks", "0", "1", "--thresholds", "0", "131072", "--steps", "2",
-                      "--name", "toy_memory", "--out", str(tmp_path), "--output_dir", str(tmp_path / "runs"), "--",
-                      "--num_generations", "4"])
+    out = run_script(["benchmarks/run_memory.py", "--ranks", "0", "1", "--allocators", "glibc",
+                      "mmap_threshold=131072", "--steps", "2", "--name", "toy_memory", "--out", str(tmp_path),
+                      "--output_dir", str(tmp_path / "runs"), "--", "--num_generations", "4"])
     assert (tmp_path / "toy_memory.md").read_text().strip() in out
-    header, _, *rows = table_rows(out, 6)
-    assert header[:3] == ["training", "MALLOC_MMAP_THRESHOLD_", "peak RSS GiB"]
-    assert [row[:2] for row in rows] == [["full", "glibc default"], ["full", "131072"],
-                                         ["LoRA rank 1", "glibc default"], ["LoRA rank 1", "131072"]]
-    assert rows[0][3] == rows[1][3] == "1.00" and all(float(row[2]) > 0 for row in rows)
+    header, _, *rows = table_rows(out, 7)
+    assert header[:3] == ["training", "allocator", "peak RSS GiB"]
+    assert [row[:2] for row in rows] == [["full", "glibc default"], ["full", "glibc, MALLOC_MMAP_THRESHOLD_=131072"],
+                                         ["LoRA rank 1", "glibc default"],
+                                         ["LoRA rank 1", "glibc, MALLOC_MMAP_THRESHOLD_=131072"]]
+    assert rows[0][3] == rows[1][3] == rows[0][6] == rows[2][6] == "1.00" and all(float(row[2]) > 0 for row in rows)
     assert len(list((tmp_path / "runs" / "toy_memory").glob("*/metrics.jsonl"))) == 4
+
+
+@pytest.mark.parametrize("allocator", ["mimalloc", "mmap_threshold=lots"])
+def test_run_memory_refuses_an_allocator_it_does_not_know_in_one_line(allocator, tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/run_memory.py", "--allocators", allocator, "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"error: --allocators {allocator}: use glibc, " \
+        "mmap_threshold=BYTES, jemalloc, tcmalloc", proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_lora_engine_sync_gives_vllm_the_adapted_policy_both_ways(tmp_path):
+    """The toy, rank 8, 2 versions: after each update of the adapters the engine samples from the adapted policy,
+    whether it gets the merged weights or the adapters alone (the gap to the trainer within the bound of full
+    fine-tuning's push tests), and an engine that missed the update would be off by far more."""
+    out = run_script(["benchmarks/lora_engine_sync.py", "--model", "toy", "--ranks", "8", "--versions", "2",
+                      "--prompts", "2", "--n", "4", "--max_tokens", "16", "--threads", "1", "--name", "sync",
+                      "--out", str(tmp_path)])
+    assert (tmp_path / "sync.md").read_text().strip() in out
+    rows = [json.loads(line) for line in (tmp_path / "sync.jsonl").read_text().splitlines()]
+    assert [(r["way"], r["rank"]) for r in rows] == [("merged", 8), ("adapter", 8)]
+    for r in rows:
+        assert r["gap_max"] < 1e-3 and r["ignored_gap_mean"] > 20 * r["gap_mean"], r
 
 
 @pytest.mark.slow
