@@ -25,7 +25,9 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from toy_runs import ROOT  # noqa: E402
+from utils.parallel import free_port  # noqa: E402
 
 ONE_WAY = """
 import json, os, statistics, sys, tempfile, time
@@ -96,7 +98,7 @@ print("RESULT " + json.dumps({"way": way, "rank": rank, "start_s": start_s, "syn
 
 def one_way(way, model, rank, versions, shape, threads):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000 + rank + (way == "adapter")))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # the engine rendezvous on it
     proc = subprocess.run([sys.executable, "-c", ONE_WAY, way, model, str(rank), str(versions), shape, str(threads)],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
