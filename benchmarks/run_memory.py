@@ -15,9 +15,11 @@ README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (o
 - jemalloc, tcmalloc: the library preloaded (LD_PRELOAD=libjemalloc.so.2, libtcmalloc_minimal.so.4; Debian's
   libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start.
 The peak is the training process's `memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the
-step time is the median of the steps after the first. Ratios are against full fine-tuning under the same allocator and
+step time is the median of the steps after the first; an allocator must not change what is computed, so each run's
+step metrics (reward, completion length, losses, gradient norm) are compared with glibc default's, step by step. Ratios are against full fine-tuning under the same allocator and
 against glibc's default for the same training, measured in the same invocation; a rank's allocators are started
-together (--jobs as many as --allocators) so that they see the same load.
+together (--jobs as many as --allocators) so that they see the same load. --reuse reads the finished runs of an
+earlier invocation with the same --name back from the run folder instead of running them again.
 """
 
 import argparse
@@ -27,7 +29,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,22 +61,46 @@ def check_loaded(allocator):
                              f"(apt-get install {'libjemalloc2' if allocator == 'jemalloc' else 'libtcmalloc-minimal4'})")
 
 
-def one_run(rank, allocator, steps, threads, out_dir, flags):
+SAME_KEYS = ["charts/reward", "charts/completion_length", "losses/policy", "losses/kl", "policy/grad_norm"]
+
+
+def one_run(rank, allocator, steps, threads, out_dir, flags, reuse=False):
+    """One configuration's run (or, with reuse, its finished run read back) -> its peak, step time and metrics."""
     name = f"r{rank}_{allocator.replace('=', '')}"
-    shutil.rmtree(os.path.join(out_dir, f"{name}__1"), ignore_errors=True)
-    env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")}
-    env.update(allocator_env(allocator))
+    run_dir = os.path.join(out_dir, f"{name}__1")
     lora = ["--lora_rank", str(rank), "--learning_rate", "1e-4"] if rank else []
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, *lora, "--total_steps", str(steps),
            "--eval_every", "0", "--save_every", "0", "--threads", str(threads), "--output_dir", out_dir,
            "--exp_name", name]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, f"{name}__1", "metrics.jsonl"))]
-    return {"rank": rank, "allocator": allocator, "wall_s": time.time() - start,
-            "rss_gb": rows[-1]["memory/rss_gb_max"], "step_s": statistics.median(r["time/step"] for r in rows[1:])}
+    reused = reuse and finished(run_dir, rank, steps, threads)
+    if not reused:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")}
+        env.update(allocator_env(allocator))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {"rank": rank, "allocator": allocator, "reused": reused, "rss_gb": rows[-1]["memory/rss_gb_max"],
+            "step_s": statistics.median(r["time/step"] for r in rows[1:]),
+            "metrics": [{key: r[key] for key in SAME_KEYS if key in r} for r in rows]}
+
+
+def finished(run_dir, rank, steps, threads):
+    """--reuse: the run folder holds a finished run of this configuration (its rank, steps and threads; the allocator
+    is in the folder's name; the other flags are not compared: a --name per set of flags)."""
+    try:
+        args = json.load(open(os.path.join(run_dir, "args.json")))
+        done = sum(1 for _ in open(os.path.join(run_dir, "metrics.jsonl"))) == steps
+    except OSError:
+        return False
+    return done and (args["total_steps"], args["run"]["lora_rank"], args["run"]["threads"]) == (steps, rank, threads)
+
+
+def largest_difference(run, baseline):
+    """The largest absolute difference of SAME_KEYS over the steps of two runs of one training."""
+    return max((abs(a[key] - b[key]) for a, b in zip(run["metrics"], baseline["metrics"]) for key in a if key in b),
+               default=float("nan"))
 
 
 def describe(allocator):
@@ -95,6 +120,8 @@ def main():
     parser.add_argument("--name", default="smollm2_memory")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder of the results")
     parser.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "benchmarks"), help="folder of the runs")
+    parser.add_argument("--reuse", action="store_true", help="read the finished runs in the run folder instead of "
+                        "running them again (same --name, --steps and --threads)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: grpo.py's flags instead of the README's")
     args = parser.parse_args()
     flags = [a for a in args.flags if a != "--"] or README_RUN
@@ -103,7 +130,8 @@ def main():
         check_loaded(allocator)
     cases = [(rank, allocator) for rank in args.ranks for allocator in args.allocators]  # a rank's together
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda case: one_run(*case, args.steps, args.threads, out_dir, flags), cases))
+        results = list(pool.map(lambda case: one_run(*case, args.steps, args.threads, out_dir, flags, args.reuse),
+                                cases))
     for r in results:
         print(json.dumps(r), flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -113,17 +141,20 @@ def main():
     described = "the README's SmolLM2 flags" if flags == README_RUN else " ".join(flags)
     lines = [f"`python benchmarks/run_memory.py {' '.join(sys.argv[1:])}` (grpo.py, {described}, "
              f"{args.steps} steps, {args.threads} thread(s) per run, {args.jobs} run(s) at a time; load average over "
-             f"the last 5 minutes at the end: {load:.1f} on {os.cpu_count()} cores)", "",
+             f"the last 5 minutes at the end: {load:.1f} on {os.cpu_count()} cores"
+             + (f"; {sum(r['reused'] for r in results)} of {len(results)} runs read back from an earlier invocation"
+                if args.reuse else "") + ")", "",
              "| training | allocator | peak RSS GiB | peak RSS / full | median step s | step time / full | "
-             "step time / glibc default's |",
-             "|---|---|---|---|---|---|---|"]
+             "step time / glibc default's | step metrics, max abs difference from glibc default's |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         full = next(b for b in results if b["rank"] == 0 and b["allocator"] == r["allocator"])
         glibc = next((b for b in results if b["rank"] == r["rank"] and b["allocator"] == "glibc"), None)
         vs_glibc = f"{r['step_s'] / glibc['step_s']:.2f}" if glibc else "-"
+        same = f"{largest_difference(r, glibc):.1e}" if glibc else "-"
         lines.append(f"| {'full' if r['rank'] == 0 else 'LoRA rank ' + str(r['rank'])} | {describe(r['allocator'])} | "
                      f"{r['rss_gb']:.2f} | {r['rss_gb'] / full['rss_gb']:.2f} | {r['step_s']:.1f} | "
-                     f"{r['step_s'] / full['step_s']:.2f} | {vs_glibc} |")
+                     f"{r['step_s'] / full['step_s']:.2f} | {vs_glibc} | {same} |")
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
