@@ -32,6 +32,11 @@ def mean_sem(values):
     return values.mean(), (values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
+def pm(mean, sem, sign=""):
+    """'mean ± sem', or the mean alone when one seed gives no standard error."""
+    return f"{mean:{sign}.3f}" + ("" if np.isnan(sem) else f" ± {sem:.3f}")
+
+
 def summarize(runs):
     """One configuration's seeds -> its row of numbers."""
     last_reward = [np.mean([r["charts/reward"] for r in run["rows"][-10:]]) for run in runs]
@@ -77,14 +82,14 @@ def main():
                + (" -- " + " ".join(extra) if extra else ""))
     lines = [f"# {args.name}", "", f"Command: `{command}`", "",
              f"grpo.py, {args.steps} steps, seeds {', '.join(map(str, args.seeds))}; mean ± standard error over "
-             "seeds. Step time and peak RSS: medians, as ratios against full fine-tuning at its best learning rate "
-             f"({best[0]}), measured in this invocation ({args.jobs} run(s) at a time).", "",
+             "seeds (the mean alone with one seed). Step time and peak RSS: medians, as ratios against full "
+             f"fine-tuning at its best learning rate ({best[0]}), measured in this invocation ({args.jobs} run(s) at a "
+             "time).", "",
              "| configuration | reward, last 10 steps | final greedy pass@1 | median step s | peak RSS GB | "
              "step time / full | peak RSS / full |", "|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         mark = " **(best lr)**" if name in best.values() else ""
-        lines.append(f"| {name}{mark} | {row['reward'][0]:.3f} ± {row['reward'][1]:.3f} | {row['greedy'][0]:.3f} ± "
-                     f"{row['greedy'][1]:.3f} | {row['step_s']:.3f} | {row['rss_gb']:.2f} | "
+        lines.append(f"| {name}{mark} | {pm(*row['reward'])} | {pm(*row['greedy'])} | {row['step_s']:.3f} | {row['rss_gb']:.2f} | "
                      f"{row['step_s'] / full['step_s']:.2f} | {row['rss_gb'] / full['rss_gb']:.2f} |")
     lines += ["", "Each rank at its best learning rate against full fine-tuning at its best (difference of the "
               "means, ± the standard error of the difference):", "",
@@ -93,8 +98,7 @@ def main():
         row = rows[best[rank]]
         d_reward = row["reward"][0] - full["reward"][0], np.hypot(row["reward"][1], full["reward"][1])
         d_greedy = row["greedy"][0] - full["greedy"][0], np.hypot(row["greedy"][1], full["greedy"][1])
-        lines.append(f"| {rank} | {best[rank]} | {d_reward[0]:+.3f} ± {d_reward[1]:.3f} | {d_greedy[0]:+.3f} ± "
-                     f"{d_greedy[1]:.3f} |")
+        lines.append(f"| {rank} | {best[rank]} | {pm(*d_reward, '+')} | {pm(*d_greedy, '+')} |")
     path = toy_runs.write_results(args.name, lines)
     plot(path, args.name, {rank: by_config[name] for rank, name in best.items()}, best)
 

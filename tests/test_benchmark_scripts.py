@@ -142,6 +142,21 @@ def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_p
     assert "4 of 4 runs read back" in reread and table_rows(reread, 8)[2:] == rows
 
 
+def test_lora_sweep_summarizes_seeds_and_gives_the_mean_alone_for_one(monkeypatch):
+    monkeypatch.setattr(sys, "path", [BENCHMARKS, *sys.path])
+    import lora_sweep
+
+    def run(greedy, reward):
+        return {"rows": [{"charts/reward": reward, "time/step": 2.0, "memory/rss_gb_max": 1.5},
+                         {"charts/reward": reward, "time/step": 4.0, "memory/rss_gb_max": 2.0,
+                          "eval/pass@1_greedy": greedy}]}
+
+    one, two = lora_sweep.summarize([run(0.25, 0.5)]), lora_sweep.summarize([run(0.2, 0.5), run(0.3, 0.5)])
+    assert (lora_sweep.pm(*one["greedy"]), lora_sweep.pm(*one["reward"], "+")) == ("0.250", "+0.500")
+    assert lora_sweep.pm(*two["greedy"]) == "0.250 ± 0.050"  # sample std 0.0707 / sqrt(2)
+    assert (one["step_s"], one["rss_gb"]) == (3.0, 2.0)
+
+
 @pytest.mark.parametrize("allocator", ["mimalloc", "mmap_threshold=lots"])
 def test_run_memory_refuses_an_allocator_it_does_not_know_in_one_line(allocator, tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/run_memory.py", "--allocators", allocator, "--out",
