@@ -19,8 +19,10 @@ where PPO's clip would drop the token (PPO's own range, --ppo_clip_eps 0.2, not 
 
 What `diff grpo.py cispo.py` shows: compute_loss (the loss above, whose value holds log pi and is no metric: the
 tests check its gradient), the token-mean normalizer 1/sum_i |o_i| over the mini-batch, the IS weight's clip range
-as two flags, --token_mask, no KL (beta 0, the paper), and 4 mini-batches per rollout batch (mu = 4: on-policy r = 1
-and CISPO is REINFORCE with group advantages; it differs only off-policy).
+as two flags, --token_mask with PPO's range for it (--ppo_clip_eps), no KL (beta 0, the paper), and 4 mini-batches
+per rollout batch (mu = 4, this repository's choice: on-policy r = 1 and CISPO is REINFORCE with group advantages; it
+differs only off-policy). Its metrics: policy/clip_frac counts the truncated weights (their gradient kept, where
+grpo.py's counts the zeroed gradients), policy/ppo_clip_frac the tokens PPO's clip would drop.
 """
 
 import importlib.util
@@ -277,7 +279,8 @@ def token_logprobs(model, batch, temperature, with_entropy=False):
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old here equals that epoch's pi_theta bit for bit."""
+    over the micro-batches of update_policy's first epoch: pi_old here equals the first mini-batch's pi_theta bit for
+    bit (the same rows through the same passes, before any optimizer step)."""
     logp = torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
@@ -474,7 +477,7 @@ def main(args):
         raise SystemExit(self_check(__file__, args, sys.argv[1:], resolve_args))
     accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
-                          args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load
+                          args.run.reward_timeout, args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
     model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
     engine = create_engine(args, accelerator, stop_ids)
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
@@ -500,7 +503,8 @@ def main(args):
         samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
                                       args.max_new_tokens, accelerator, policy_version=step - 1)
         times["rollout"] = time.time() - times["step"]
-        # 2. Reward, in the reward workers, while the trainer computes pi_ref (and pi_old when mu > 1).
+        # 2. Reward, checked in the reward workers (the toy tasks' exact match at submit) while the trainer computes
+        #    pi_ref (and pi_old when mu > 1).
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
@@ -509,7 +513,7 @@ def main(args):
         if ref_model is not None:
             batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
                                               args.micro_batch_size)
-        accuracy, formats, failures = scorer.result(scoring)  # failures: checks that scored 0, by kind
+        accuracy, formats, failures = scorer.result(scoring)  # failures: answers that could not be checked, by kind
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         # 3. Advantages, from every process's rewards (each process holds whole groups).
         all_rewards = accelerator.gather(rewards.to(accelerator.device))

@@ -20,9 +20,10 @@ maximize
    L_max = max_new_tokens: with L_max 48 and L_cache 9, a completion of 44 tokens gets -5/9. Overlong filtering (mask
    truncated completions out of the loss) is a switch, off as in the paper's best run (the authors' recipe FAQ).
 
-What `diff grpo.py dapo.py` shows: the four changes (the clip range as two flags, the dynamic-sampling training loop,
-the token-level normalizer, the overlong reward and filter), and no KL term and no reference model (the paper
-removes them).
+What `diff grpo.py dapo.py` shows: the four changes (the clip range as two flags with 4 mini-batches per rollout
+batch and the clip fraction split into policy/clip_frac_high and _low, the dynamic-sampling training loop, the
+token-level normalizer, the overlong reward and filter), and no KL term and no reference model (the paper removes
+them).
 """
 
 import importlib.util
@@ -321,7 +322,8 @@ def token_logprobs(model, batch, temperature, with_entropy=False):
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old here equals that epoch's pi_theta bit for bit."""
+    over the micro-batches of update_policy's first epoch: pi_old here equals the first mini-batch's pi_theta bit for
+    bit (the same rows through the same passes, before any optimizer step)."""
     logp = torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
@@ -518,7 +520,7 @@ def main(args):
         raise SystemExit(self_check(__file__, args, sys.argv[1:], resolve_args))
     accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
-                          args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load
+                          args.run.reward_timeout, args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
     model, optimizer, _ = load_models(args, tokenizer, accelerator, with_reference=False)  # no KL, no reference
     engine = create_engine(args, accelerator, stop_ids)
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [], args.micro_batch_size,
@@ -539,7 +541,7 @@ def main(args):
         #    scored at once (the filter needs the rewards). Groups all equal by --filter_groups_by are dropped. The stop
         #    test is collective (the fewest groups any process kept), so every process runs as many rounds.
         seen, kept, waited, rounds, num_informative, sync_time = [], [], 0.0, 0, 0, 0.0
-        failures = dict.fromkeys(["no_answer", *FAILURES], 0)  # checks that scored 0, by kind
+        failures = dict.fromkeys(["no_answer", *FAILURES], 0)  # answers that could not be checked, by kind
         while True:
             rounds += 1
             # from (seed, step, round) alone: a resumed run draws the prompts an uninterrupted one would

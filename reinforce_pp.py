@@ -269,7 +269,8 @@ def token_logprobs(model, batch, temperature, with_entropy=False):
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old here equals that epoch's pi_theta bit for bit."""
+    over the micro-batches of update_policy's first epoch: pi_old here equals the first mini-batch's pi_theta bit for
+    bit (the same rows through the same passes, before any optimizer step)."""
     logp = torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
@@ -466,7 +467,7 @@ def main(args):
         raise SystemExit(self_check(__file__, args, sys.argv[1:], resolve_args))
     accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
-                          args.run.reward_timeout, args.run.reward_memory_mb)  # its workers warm up while models load
+                          args.run.reward_timeout, args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
     model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
     engine = create_engine(args, accelerator, stop_ids)
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
@@ -492,7 +493,8 @@ def main(args):
         samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
                                       args.max_new_tokens, accelerator, policy_version=step - 1)
         times["rollout"] = time.time() - times["step"]
-        # 2. Reward, in the reward workers, while the trainer computes pi_ref (and pi_old when mu > 1).
+        # 2. Reward, checked in the reward workers (the toy tasks' exact match at submit) while the trainer computes
+        #    pi_ref (and pi_old when mu > 1).
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
@@ -502,7 +504,7 @@ def main(args):
         if ref_model is not None:
             batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
                                               args.micro_batch_size)
-        accuracy, formats, failures = scorer.result(scoring)  # failures: checks that scored 0, by kind
+        accuracy, formats, failures = scorer.result(scoring)  # failures: answers that could not be checked, by kind
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         # 3. Advantages: per-token returns (the KL in the reward), whitened over every process's tokens.
         all_rewards = accelerator.gather(rewards.to(accelerator.device))

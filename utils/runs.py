@@ -261,10 +261,12 @@ class StepStats:
         self.sums, self.means, self.maxes = {}, {}, {}
 
     def add(self, values, scale=1.0):
+        """values * scale added to `sums`: this micro-batch's share of a mean over every process (or a count)."""
         for key, value in values.items():
             self.sums[key] = self.sums.get(key, 0.0) + value * scale
 
     def mean(self, values, scale=1.0):
+        """values * scale added to `means`: a per-process value, averaged over processes at the step's end."""
         for key, value in values.items():
             self.means[key] = self.means.get(key, 0.0) + value * scale
 
@@ -275,7 +277,7 @@ class StepStats:
 
 def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
-    divided by a global count), `means` averaged (values over as many items on every process), `maxes` maxed. One
+    divided by a global count, or counts to total), `means` averaged (values over as many items on every process), `maxes` maxed. One
     gather and one host sync per step."""
     groups = [(k, v, "sum") for k, v in dict(sums).items()] + [(k, v, "mean") for k, v in dict(means).items()] + [
         (k, v, "max") for k, v in dict(maxes).items()]
@@ -289,7 +291,7 @@ def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
 def step_metrics(accelerator, stats, samples, accuracy, formats, task_rewards, counts, seconds):
     """A step's metrics over every process, with one definition in every script: the rollout's completions (reward,
     accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
-    the step's time went and peak memory, beside update_policy's statistics (train_stats). seconds: "step" (the
+    the step's time went and peak memory, beside update_policy's statistics (stats). seconds: "step" (the
     whole step before evaluation), "rollout" (generating, weight push included), "weight_sync", "score" (waiting on the
     reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step.
     rollout/tail_frac is the rollout's (tail_fraction), unless stats.means brings the script's own."""
