@@ -8,8 +8,8 @@ Each configuration (full fine-tuning at each of --full_lrs, each rank of --ranks
 for every seed through benchmarks/toy_runs.py's runner. The table gives, per configuration, the mean and standard
 error over seeds of the last 10 steps' reward and of the final greedy pass@1, the median step time and peak RSS; the
 best learning rate per rank (by final greedy pass@1, then reward); and each rank's difference from full fine-tuning at
-their best learning rates with its standard error. The plot: reward (10-step moving average, mean over seeds) and
-held-out greedy pass@1 against steps, each rank at its best learning rate.
+their best learning rates with its standard error. The plot: reward (a moving average over a quarter of the run, at
+most 10 steps, mean over seeds) and held-out greedy pass@1 against steps, each rank at its best learning rate.
 """
 
 import argparse
@@ -89,8 +89,9 @@ def main():
              "step time / full | peak RSS / full |", "|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         mark = " **(best lr)**" if name in best.values() else ""
-        lines.append(f"| {name}{mark} | {pm(*row['reward'])} | {pm(*row['greedy'])} | {row['step_s']:.3f} | {row['rss_gb']:.2f} | "
-                     f"{row['step_s'] / full['step_s']:.2f} | {row['rss_gb'] / full['rss_gb']:.2f} |")
+        lines.append(f"| {name}{mark} | {pm(*row['reward'])} | {pm(*row['greedy'])} | {row['step_s']:.3f} | "
+                     f"{row['rss_gb']:.2f} | {row['step_s'] / full['step_s']:.2f} | "
+                     f"{row['rss_gb'] / full['rss_gb']:.2f} |")
     lines += ["", "Each rank at its best learning rate against full fine-tuning at its best (difference of the "
               "means, ± the standard error of the difference):", "",
               "| rank | best lr config | Δ reward | Δ final greedy pass@1 |", "|---|---|---|---|"]
@@ -108,20 +109,22 @@ def plot(path, name, runs_by_rank, best):
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for rank, runs in runs_by_rank.items():
+    window = 10
+    for marker, (rank, runs) in zip("osD^v", runs_by_rank.items()):
         label = f"{'full fine-tuning' if rank == 0 else f'LoRA rank {rank}'} ({best[rank].split('_')[-1]})"
         rewards = np.mean([[r["charts/reward"] for r in run["rows"]] for run in runs], axis=0)
-        window = min(10, len(rewards))  # a short run: its whole length
+        window = max(1, min(10, len(rewards) // 4))  # a short run: a quarter of it
         smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
         (line,) = left.plot(np.arange(window, len(rewards) + 1), smooth, label=label)
         evals = [[(r["step"], r["eval/pass@1_greedy"]) for r in run["rows"] if "eval/pass@1_greedy" in r]
                  for run in runs]
         steps = [s for s, _ in evals[0]]
-        right.plot(steps, np.mean([[v for _, v in e] for e in evals], axis=0), marker="o", color=line.get_color(),
-                   label=label)
-    left.set(xlabel="step", ylabel="reward (moving average of up to 10 steps, mean over seeds)")
+        right.plot(steps, np.mean([[v for _, v in e] for e in evals], axis=0), marker=marker, color=line.get_color(),
+                   alpha=0.7, label=label)
+    left.set(xlabel="step", ylabel=f"reward ({window}-step moving average, mean over seeds)")
     right.set(xlabel="step", ylabel="held-out greedy pass@1 (mean over seeds)")
     left.legend()
+    right.legend()
     fig.suptitle(f"{name}: each at its best learning rate")
     fig.tight_layout()
     fig.savefig(path + ".png", dpi=100)
