@@ -4,6 +4,8 @@ off; and the estimate every run prints at start (utils/memory.py) against what w
 
     python benchmarks/memory.py                          # Qwen2.5-0.5B and 1.5B widths, 2 layers, completions 512-4096
     python benchmarks/memory.py --layers 24 --lengths 1024 2048 --models qwen2.5-0.5b --name memory_full_depth
+    LD_PRELOAD=libtcmalloc_minimal.so.4 python benchmarks/memory.py --layers 24 --lengths 1024 2048 \
+        --models qwen2.5-0.5b --name memory_full_depth_tcmalloc    # the same under tcmalloc (the table says so)
 
 Each case runs in a fresh process: a Qwen2 model of the shape with random weights (no hub), float32 on the CPU, one
 micro-batch of --micro_batch sequences of 64 prompt tokens and T completion tokens: forward through the trainer's
@@ -11,13 +13,13 @@ token log-prob code, a policy-gradient loss, backward, and an AdamW step, three 
 the peak RSS (VmHWM, reset once the model is built) of the first forward, loss and backward over the RSS with the
 model loaded (activations, logits, gradients); the step's peak is the peak RSS of all three steps over the RSS before
 the model existed (weights and Adam's moments too); the step time is the median of the last two. RSS counts what
-glibc's allocator keeps of freed memory too, so a fourth, untimed step runs under torch's MemTracker: its tensor peak
-is the most bytes the step's tensors held at once (parameters, gradients, optimizer state, activations, temporaries),
-what torch.cuda.max_memory_allocated measures on a GPU. The estimate is checked against both. The per-token cost is
-the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024) completion tokens, below which the log-prob
-chunk itself grows with T. Cases run interleaved, so the time ratios compare steps measured under the same load. The
-depth is cut to --layers on a CPU (the output layer and the per-layer terms are the same at any depth; the estimate
-takes the depth into account).
+glibc's allocator keeps of freed memory too (a preloaded allocator keeps less), so a fourth, untimed step runs
+under torch's MemTracker: its tensor peak is the most bytes the step's tensors held at once (parameters, gradients,
+optimizer state, activations, temporaries), what torch.cuda.max_memory_allocated measures on a GPU. The estimate is
+checked against both. The per-token cost is the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024)
+completion tokens, below which the log-prob chunk itself grows with T. Cases run interleaved, so the time ratios
+compare steps measured under the same load. The depth is cut to --layers on a CPU (the output layer and the per-layer
+terms are the same at any depth; the estimate takes the depth into account).
 """
 
 import argparse
@@ -139,7 +141,8 @@ def main():
                 print(json.dumps(results[-1]), flush=True)
     with open(os.path.join(ROOT, "benchmarks", "results", f"{opts.name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)
-    lines = [f"`python benchmarks/memory.py {' '.join(sys.argv[1:])}` ({opts.layers} layers, micro-batch "
+    preload = f"LD_PRELOAD={os.environ['LD_PRELOAD']} " if os.environ.get("LD_PRELOAD") else ""  # an allocator
+    lines = [f"`{preload}python benchmarks/memory.py {' '.join(sys.argv[1:])}` ({opts.layers} layers, micro-batch "
              f"{opts.micro_batch} x (64 + T) tokens, float32, {opts.threads} threads, one process per case)", "",
              "| model | T | log-probs | checkpointing | log-prob pass GB | step peak GB | tensor peak GB | "
              "estimate GB | estimate error (RSS / tensors) | step s | step time vs full, no checkpointing |",
