@@ -7,7 +7,7 @@ with glibc handing freed memory back at once, and under jemalloc and tcmalloc.
 
 Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA with --learning_rate 1e-4, 10x the
 README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for
---steps steps (no evaluation, the checkpoint only at the end) once under each of --allocators:
+--steps steps (no evaluation; its weights are deleted once it finished) once under each of --allocators:
 - glibc: the default. Its mmap threshold is dynamic and rises up to 32 MiB, so the freed blocks of tensors below it
   stay in the process's heap for reuse, and the heap fragments as tensors of other sizes come and go;
 - mmap_threshold=N: MALLOC_MMAP_THRESHOLD_=N, every allocation above N bytes is mapped on its own and unmapped when
@@ -30,6 +30,9 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import toy_runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_RUN = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1",
@@ -80,6 +83,7 @@ def one_run(rank, allocator, steps, threads, out_dir, flags, reuse=False):
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        toy_runs.drop_weights(run_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"rank": rank, "allocator": allocator, "reused": reused, "rss_gb": rows[-1]["memory/rss_gb_max"],
             "step_s": statistics.median(r["time/step"] for r in rows[1:]),

@@ -72,8 +72,16 @@ def run(variant, seed, steps, out_dir, extra, reuse=False):
         wall = time.time() - start
         with open(done, "w") as f:
             json.dump({"cmd": cmd, "wall_s": wall}, f)
+        drop_weights(run_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"variant": variant, "seed": seed, "wall_s": wall, "rows": rows}
+
+
+def drop_weights(run_dir):
+    """A benchmark reads a finished run's metrics, never its weights: its checkpoint/ and final/ go (2.6 GB for a
+    SmolLM2 run: a sweep would fill the disk)."""
+    for folder in ("checkpoint", "final"):
+        shutil.rmtree(os.path.join(run_dir, folder), ignore_errors=True)
 
 
 def step_reaching(rows, target, window=10):

@@ -138,6 +138,7 @@ def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_p
     # the allocator changes where tensors live, not what is computed (torch aligns every buffer to 64 bytes either way)
     assert all(float(row[7]) <= 1e-6 for row in rows)
     assert len(list((tmp_path / "runs" / "toy_memory").glob("*/metrics.jsonl"))) == 4
+    assert not list((tmp_path / "runs" / "toy_memory").glob("*/*/model.safetensors"))  # the weights dropped
     reread = run_script(command[:1] + ["--reuse"] + command[1:])  # the finished runs, read back: the same table
     assert "4 of 4 runs read back" in reread and table_rows(reread, 8)[2:] == rows
 
