@@ -289,8 +289,7 @@ def token_logprobs(model, batch, temperature, with_entropy=False):
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old here equals the first mini-batch's pi_theta bit for
-    bit (the same rows through the same passes, before any optimizer step)."""
+    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit."""
     logp = torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):

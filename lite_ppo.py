@@ -260,8 +260,7 @@ def token_logprobs(model, batch, temperature, with_entropy=False):
 @torch.no_grad()
 def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old here equals the first mini-batch's pi_theta bit for
-    bit (the same rows through the same passes, before any optimizer step)."""
+    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit."""
     logp = torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
@@ -484,8 +483,7 @@ def main(args):
         samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
                                       args.max_new_tokens, accelerator, policy_version=step - 1)
         times["rollout"] = time.time() - times["step"]
-        # 2. Reward, checked in the reward workers (the toy tasks' exact match at submit) while the trainer computes
-        #    pi_ref (and pi_old when mu > 1).
+        # 2. Reward (checked in workers; the toy at submit) while the trainer computes pi_ref (and pi_old if mu > 1).
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
