@@ -19,7 +19,7 @@ step time is the median of the steps after the first; an allocator must not chan
 step metrics (reward, completion length, losses, gradient norm) are compared with glibc default's, step by step. Ratios are against full fine-tuning under the same allocator and
 against glibc's default for the same training, measured in the same invocation; a rank's allocators are started
 together (--jobs as many as --allocators) so that they see the same load. --reuse reads the finished runs of an
-earlier invocation with the same --name back from the run folder instead of running them again.
+earlier invocation back from the run folder (the same command and allocator, saved in its benchmark.json).
 """
 
 import argparse
@@ -75,30 +75,23 @@ def one_run(rank, allocator, steps, threads, out_dir, flags, reuse=False):
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, *lora, "--total_steps", str(steps),
            "--eval_every", "0", "--save_every", "0", "--threads", str(threads), "--output_dir", out_dir,
            "--exp_name", name]
-    reused = reuse and finished(run_dir, rank, steps, threads)
+    env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")}
+    env.update(allocator_env(allocator))
+    done = os.path.join(run_dir, "benchmark.json")  # written when the run finished: its command and allocator
+    this = {"cmd": cmd[1:], "allocator": allocator_env(allocator)}
+    reused = reuse and os.path.exists(done) and json.load(open(done)) == this
     if not reused:
         shutil.rmtree(run_dir, ignore_errors=True)
-        env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")}
-        env.update(allocator_env(allocator))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         toy_runs.drop_weights(run_dir)
+        with open(done, "w") as f:
+            json.dump(this, f)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"rank": rank, "allocator": allocator, "reused": reused, "rss_gb": rows[-1]["memory/rss_gb_max"],
             "step_s": statistics.median(r["time/step"] for r in rows[1:]),
             "metrics": [{key: r[key] for key in SAME_KEYS if key in r} for r in rows]}
-
-
-def finished(run_dir, rank, steps, threads):
-    """--reuse: the run folder holds a finished run of this configuration (its rank, steps and threads; the allocator
-    is in the folder's name; the other flags are not compared: a --name per set of flags)."""
-    try:
-        args = json.load(open(os.path.join(run_dir, "args.json")))
-        done = sum(1 for _ in open(os.path.join(run_dir, "metrics.jsonl"))) == steps
-    except OSError:
-        return False
-    return done and (args["total_steps"], args["run"]["lora_rank"], args["run"]["threads"]) == (steps, rank, threads)
 
 
 def largest_difference(run, baseline):
@@ -124,8 +117,8 @@ def main():
     parser.add_argument("--name", default="smollm2_memory")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder of the results")
     parser.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "benchmarks"), help="folder of the runs")
-    parser.add_argument("--reuse", action="store_true", help="read the finished runs in the run folder instead of "
-                        "running them again (same --name, --steps and --threads)")
+    parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command and allocator "
+                        "in the run folder instead of running them again")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: grpo.py's flags instead of the README's")
     args = parser.parse_args()
     flags = [a for a in args.flags if a != "--"] or README_RUN
