@@ -25,7 +25,6 @@ steps -> log, evaluate, checkpoint. `python grpo.py` trains the embedded tiny mo
 models, GPUs and nodes: README.md. Other papers' changes to GRPO are other files; `diff grpo.py <file>` shows each.
 """
 
-import importlib.util
 import os
 import sys
 import time
@@ -39,15 +38,16 @@ import tyro
 from utils.batch import make_batch, micro_batches
 from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
                           check_run_args, largest_divisor)
+from utils.engine import create_engine
+from utils.evaluation import pass_rates
 from utils.hf_engine import HFDecoder, Sample
 from utils.logprobs import token_logprobs as chunked_token_logprobs
 from utils.lora import AdaptersOff
 from utils.memory import memory_line, trainer_memory
 from utils.models import for_training, load_tokenizer, resolve_model
-from utils.parallel import (clip_gradients, free_port, gradient_sync, make_accelerator, policy_weights,
-                            prepare_reference)
+from utils.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
+from utils.rl import engine_is_weights, group_zscore, kl_k3
 from utils.rollout_page import token_recorder
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
                         quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
@@ -279,40 +279,6 @@ def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
 
 
-@dataclass
-class Engine:
-    """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
-    stop_ids: list  # token ids that end a completion
-    llm: object = None
-    asleep: bool = False  # sleep mode (GPU): woken for each rollout, put back to sleep after it
-    sleep_level: int = 2
-    weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
-
-
-def create_engine(args, accelerator, stop_ids):
-    """One in-process vLLM engine per rank (external_launcher), or the HF decode loop (--engine hf, or no CUDA or no
-    vLLM); both end a completion at its first stop token."""
-    vllm_installed = importlib.util.find_spec("vllm") is not None
-    if args.run.engine == "hf" or (args.run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
-        return Engine(stop_ids)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())}.items():
-        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
-    from vllm import LLM
-
-    on_gpu = torch.cuda.is_available()
-    extra = {"gpu_memory_utilization": args.run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
-        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
-    # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
-    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
-              dtype="bfloat16" if on_gpu else "float32", max_model_len=args.max_prompt_length + args.max_new_tokens,
-              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
-    if on_gpu:
-        llm.sleep(level=args.run.vllm_sleep_level)
-    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=args.run.vllm_sleep_level)
-
-
 def push_weights(engine, model, accelerator):
     """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})
@@ -368,32 +334,16 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
-    """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
-    top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate."""
-    run, world = args.run, accelerator.num_processes  # every rank gets as many problems: as many generate calls
-    mine = rows[: min(run.eval_size, len(rows)) // world * world][accelerator.process_index::world]
-    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
-    ks = [2 ** i for i in range(1, run.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
-    totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
-    size = 64 if engine.llm is None else max(1, len(prompts))  # vLLM batches itself: one wake and push per call
-    for start in range(0, len(prompts), size):
-        chunk, chunk_rows = prompts[start:start + size], mine[start:start + size]
-        for column, n, temperature in ((0, 1, 0.0), (1, run.eval_samples, run.eval_temperature)):
-            out, _ = generate(engine, model, tokenizer, chunk, n, temperature, run.eval_top_p if temperature else 1.0,
-                              args.max_new_tokens, accelerator, policy_version)
-            texts = tokenizer.batch_decode([sample.token_ids for sample in out], skip_special_tokens=True)
-            acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
-            totals[column] += sum(acc) / n
-            if column == 0:
-                totals[3] += sum(formats)
-            for j, k in enumerate(ks if column == 1 else []):  # each problem's n samples are consecutive
-                totals[4 + j] += sum(pass_at_k(n, int(sum(acc[i:i + n])), k) for i in range(0, len(acc), n))
-        totals[2] += len(chunk)
-    totals = accelerator.reduce(totals, reduction="sum")
-    n = totals[2].clamp(min=1)
-    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{run.eval_samples}":
-            (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
-            "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
+    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate on this process's share of the test
+    rows (utils/evaluation.py), the completions sampled as in training."""
+
+    def sample_texts(prompts, n, temperature, top_p):
+        samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
+                              accelerator, policy_version)
+        return tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
+
+    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (one wake and push per call)
+    return pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, 64 if engine.llm is None else None)
 
 
 # ---- Policy update --------------------------------------------------------------------------------------------------
@@ -466,7 +416,8 @@ def main(args):
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
                           args.run.reward_timeout, args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
     model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
-    engine = create_engine(args, accelerator, stop_ids)
+    engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
+                           args.max_prompt_length + args.max_new_tokens, stop_ids)
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
                                                  args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
                                   args.run.vllm_gpu_memory_utilization if engine.asleep else None))

@@ -38,15 +38,16 @@ import tyro
 from utils.batch import make_batch, micro_batches
 from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
                           check_run_args, largest_divisor)
+from utils.engine import create_engine
+from utils.evaluation import pass_rates
 from utils.hf_engine import HFDecoder, Sample
 from utils.logprobs import token_logprobs as chunked_token_logprobs
 from utils.lora import AdaptersOff
 from utils.memory import memory_line, trainer_memory
 from utils.models import for_training, load_tokenizer, resolve_model
-from utils.parallel import (clip_gradients, free_port, gradient_sync, make_accelerator, policy_weights,
-                            prepare_reference)
+from utils.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
 from utils.rewards import RewardScorer, default_reward_workers
-from utils.rl import engine_is_weights, group_zscore, kl_k3, pass_at_k
+from utils.rl import engine_is_weights, group_zscore, kl_k3
 from utils.rollout_page import token_recorder
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
                         quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
@@ -301,41 +302,6 @@ def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size
 # ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
 
 
-@dataclass
-class Engine:
-    """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
-    stop_ids: list  # token ids that end a completion
-    llm: object = None
-    asleep: bool = False  # sleep mode (GPU): woken for each rollout, put back to sleep after it
-    sleep_level: int = 2
-    weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
-
-
-def create_engine(args, accelerator, stop_ids):
-    """One in-process vLLM engine per rank (external_launcher), or the HF decode loop (--engine hf, or no CUDA or no
-    vLLM); both end a completion at its first stop token."""
-    vllm_installed = importlib.util.find_spec("vllm") is not None
-    if args.run.engine == "hf" or (args.run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
-        return Engine(stop_ids)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())}.items():
-        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
-    from vllm import LLM
-
-    on_gpu = torch.cuda.is_available()
-    extra = {"gpu_memory_utilization": args.run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
-        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
-    # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
-    llm = LLM(args.model, distributed_executor_backend="external_launcher", seed=args.seed + accelerator.process_index,
-              dtype="bfloat16" if on_gpu else "float32",
-              max_model_len=args.max_prompt_length + args.max_new_tokens + args.max_turns * args.max_tool_tokens,
-              logprobs_mode="processed_logprobs", enable_prefix_caching=True, **extra)
-    if on_gpu:
-        llm.sleep(level=args.run.vllm_sleep_level)
-    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=args.run.vllm_sleep_level)
-
-
 def push_weights(engine, model, accelerator):
     """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})
@@ -459,35 +425,20 @@ def model_text(tokenizer, sample, mask):
 
 
 def evaluate(args, engine, model, tokenizer, scorer, sandbox, rows, accelerator, policy_version):
-    """pass@1 on this process's share of the test rows: greedy, and the mean over n = eval_samples samples (T=0.6,
-    top-p 0.95); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the greedy format rate;
-    the greedy completions' tool calls. Every completion may call the tool, as in training."""
-    world = accelerator.num_processes  # every rank gets as many problems: the same number of generate calls
-    mine = rows[: min(args.run.eval_size, len(rows)) // world * world][accelerator.process_index::world]
-    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
-    ks = [2 ** i for i in range(1, args.run.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
-    totals = torch.zeros(5 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, calls, pass@k
-    for start in range(0, len(prompts), 64):
-        chunk, chunk_rows = prompts[start:start + 64], mine[start:start + 64]
-        for column, n, temperature in ((0, 1, 0.0), (1, args.run.eval_samples, args.run.eval_temperature)):
-            out, masks, completions, _, _ = rollout(args, engine, model, tokenizer, sandbox, chunk, n, temperature,
-                                                    args.run.eval_top_p if temperature else 1.0, accelerator,
-                                                    policy_version)
-            texts = [model_text(tokenizer, sample, mask) for sample, mask in zip(out, masks)]
-            acc, formats, _ = scorer.result(scorer.submit(texts, [r for r in chunk_rows for _ in range(n)]))
-            totals[column] += sum(acc) / n
-            if column == 0:
-                totals[3] += sum(formats)
-                totals[4] += sum(c["calls"] for c in completions)
-            for j, k in enumerate(ks if column == 1 else []):  # each problem's n samples are consecutive
-                totals[5 + j] += sum(pass_at_k(n, int(sum(acc[i:i + n])), k) for i in range(0, len(acc), n))
-        totals[2] += len(chunk)
-    totals = accelerator.reduce(totals, reduction="sum")
-    n = totals[2].clamp(min=1)
-    return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{args.run.eval_samples}":
-            (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[5 + j] / n).item() for j, k in enumerate(ks)},
-            "eval/format_greedy": (totals[3] / n).item(), "eval/tool_calls_greedy": (totals[4] / n).item(),
-            "eval/problems": int(totals[2].item())}
+    """Held-out pass@1 (greedy and sampled), pass@k, the greedy format rate (utils/evaluation.py) and tool calls per
+    greedy completion, on this process's share of the test rows; completions may call the tool, as in training."""
+    greedy_calls = torch.zeros((), device=accelerator.device)
+
+    def sample_texts(prompts, n, temperature, top_p):
+        samples, masks, completions, _, _ = rollout(args, engine, model, tokenizer, sandbox, prompts, n, temperature,
+                                                    top_p, accelerator, policy_version)
+        if temperature == 0:
+            greedy_calls.add_(sum(c["calls"] for c in completions))
+        return [model_text(tokenizer, sample, mask) for sample, mask in zip(samples, masks)]
+
+    metrics = pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, chunk_size=64)
+    calls = accelerator.reduce(greedy_calls, reduction="sum").item()
+    return {**metrics, "eval/tool_calls_greedy": calls / max(1, metrics["eval/problems"])}
 
 
 # ---- Policy update --------------------------------------------------------------------------------------------------
@@ -565,7 +516,8 @@ def main(args):
     if sandbox.warning:
         accelerator.print(f"warning: {sandbox.warning}")
     model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
-    engine = create_engine(args, accelerator, stop_ids)
+    engine = create_engine(args.run, args.model, args.seed + accelerator.process_index, args.max_prompt_length
+                           + args.max_new_tokens + args.max_turns * args.max_tool_tokens, stop_ids)  # + tool output
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
                                                  args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
                                   args.run.vllm_gpu_memory_utilization if engine.asleep else None))

@@ -1,6 +1,6 @@
 """GRPO steps at a real model's shape: per-phase times, peak memory, what the vLLM engine's sleep frees, and the
 engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (grpo.py's decode
-loop), using grpo.py's own functions (create_engine, generate, batched_logprobs, update_policy).
+loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from utils/engine.py).
 
 The steps cycle through the vLLM sleep levels (--sleep_levels: 2 drops the weights, 1 keeps them in CPU memory) and
 then the betas (--betas: 0 skips the reference pass); each step reports its phases' times and CUDA peaks (rollout,
@@ -43,6 +43,7 @@ sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 import grpo_async  # noqa: E402
 from utils.batch import make_batch  # noqa: E402
+from utils.engine import create_engine  # noqa: E402
 from utils.memory import trainer_memory  # noqa: E402
 from utils.runs import RunArgs, load_checkpoint, quiet_libraries, save_checkpoint  # noqa: E402
 
@@ -104,7 +105,8 @@ def run_engine(engine_name, opts, model_dir):
               "fsdp2": accelerator.is_fsdp2, "memory_trainer_loaded": gpu_memory_gb(),
               "trainer_estimate_gb": estimate["total"] / 2**30}
     start = time.time()
-    engine = grpo.create_engine(args, accelerator, stop_ids)
+    engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
+                           args.max_prompt_length + args.max_new_tokens, stop_ids)
     result["engine_start_s"] = time.time() - start
     if engine.llm is not None and engine.asleep:  # what sleep frees: the engine awake, then asleep again
         result["memory_engine_asleep"] = gpu_memory_gb()
@@ -187,7 +189,7 @@ def run_tail(engine_name, opts, model_dir):
     model = accelerator.prepare(grpo.load_model(args.model, tokenizer).eval())
     vocab = SHAPES[opts.shape]["vocab_size"]
     stop_ids = list(range(3, 3 + max(1, round(opts.stop_frac * vocab))))  # not the special ids 0-2
-    engine = grpo_async.create_engine(args, accelerator, stop_ids)
+    engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
     generator = torch.Generator().manual_seed(1)
     torch.manual_seed(0)  # the HF engine's sampling
     G, need, result = opts.generations, opts.prompts, {"engine": engine_name, "shape": opts.shape,

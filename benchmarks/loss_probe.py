@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from utils.batch import make_batch, micro_batches  # noqa: E402
+from utils.engine import Engine  # noqa: E402
 from utils.rl import kl_k1, masked_whiten  # noqa: E402
 from utils.rollout_page import token_weights  # noqa: E402
 
@@ -140,7 +141,7 @@ def collect_rollout(args, prompts_count, moves, seed):
     rows = [train_rows[i] for i in picks]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     G = args.num_generations
-    samples, _ = grpo.generate(grpo.Engine(stop_ids), policy, tokenizer, prompts, G, args.temperature, args.top_p,
+    samples, _ = grpo.generate(Engine(stop_ids), policy, tokenizer, prompts, G, args.temperature, args.top_p,
                                args.max_new_tokens, accelerator, policy_version=0)
     texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     scorer = RewardScorer(args.task, args.answer_format, 1, 5.0, 1024)

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+from utils.engine import create_engine  # noqa: E402
 from utils.rewards import RewardScorer  # noqa: E402
 from utils.runs import RunArgs  # noqa: E402
 from utils.tasks import format_prompt, load_task  # noqa: E402
@@ -40,7 +41,7 @@ def main():
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = grpo.load_tokenizer(args.model)
     model = grpo.load_model(args.model, tokenizer).eval()
-    engine = grpo.create_engine(args, accelerator, stop_ids)
+    engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
     rows = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length)[0][:opts.problems]
     lines = [f"\n`python benchmarks/prompt_start.py --model {opts.model} --task {opts.task} --problems {opts.problems}"
              f" --samples {opts.samples} --max_new_tokens {opts.max_new_tokens}`\n",

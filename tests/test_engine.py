@@ -13,6 +13,7 @@ from accelerate import Accelerator
 import grpo
 from tests.helpers import resolved
 from utils.batch import make_batch
+from utils.engine import Engine
 from utils.hf_engine import HFDecoder, Sample, sample_tokens
 from utils.models import load_tokenizer
 
@@ -33,7 +34,7 @@ def setup(model_dir=None, **overrides):
 def rollout(model, tokenizer, accelerator, temperature, n=4, max_new_tokens=48):
     torch.manual_seed(0)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    engine = grpo.Engine([tokenizer.eos_token_id])  # the HF decode loop
+    engine = Engine([tokenizer.eos_token_id])  # the HF decode loop
     samples, _ = grpo.generate(engine, model, tokenizer, prompts, n, temperature, 1.0, max_new_tokens, accelerator,
                                policy_version=1)
     batch = make_batch([p for p in prompts for _ in range(n)], samples, tokenizer.pad_token_id, "cpu")

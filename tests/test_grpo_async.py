@@ -10,6 +10,7 @@ import torch
 import grpo_async
 from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import setup
+from utils.engine import Engine
 from utils.partial_rollouts import PartialDecoder
 
 
@@ -46,7 +47,7 @@ def test_hf_decode_loop_stops_once_enough_groups_are_complete():
 def test_generate_partial_continues_from_the_tokens_so_far():
     _, accelerator, tokenizer, model = setup()
     torch.manual_seed(0)
-    engine = grpo_async.Engine([tokenizer.eos_token_id])
+    engine = Engine([tokenizer.eos_token_id])
     prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=")]
     groups = new_groups(2, 2)
     sync_time, calls = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts, 1, 1.0, 1.0, 48,
@@ -73,7 +74,7 @@ def test_a_group_finished_before_is_not_counted_again():
     no rows in the call and must not count as one of them (on either engine: vLLM counts the groups that finish)."""
     _, accelerator, tokenizer, model = setup()
     torch.manual_seed(0)
-    engine = grpo_async.Engine([tokenizer.eos_token_id])
+    engine = Engine([tokenizer.eos_token_id])
     prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=")]
     groups = new_groups(3, 2)
     for completion in groups[1]["completions"]:  # the middle group finished in an earlier step

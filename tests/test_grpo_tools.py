@@ -101,6 +101,7 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
     model's own."""
     from accelerate import Accelerator
 
+    from utils.engine import create_engine
     from utils.models import load_tokenizer
     from utils.tasks import toy_mul_problems
 
@@ -109,7 +110,7 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
     model = grpo_tools.load_model(args.model, tokenizer).eval()
-    engine = grpo_tools.create_engine(args, accelerator, stop_ids)
+    engine = create_engine(args.run, args.model, args.seed, 0, stop_ids)  # the HF decode loop: no context limit
     rows = toy_mul_problems("test")[:16]
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     with PythonSandbox(num_workers=1, timeout=5.0) as sandbox:

@@ -84,12 +84,13 @@ def test_a_sleeping_engine_wakes_with_the_trainers_cache_emptied_first(monkeypat
     peak can leave them no room), the weights pushed whole, the prefix cache reset, the cache emptied again before the
     KV cache wakes; a level-2 sleep drops the weights, so the next rollout pushes again. The default level is 2."""
     import grpo
+    from utils.engine import Engine
     from utils.runs import RunArgs
 
     _, accelerator, _, model = setup()
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
-    engine = grpo.Engine([0], RecordingLLM(calls), asleep=True, sleep_level=RunArgs().vllm_sleep_level)
+    engine = Engine([0], RecordingLLM(calls), asleep=True, sleep_level=RunArgs().vllm_sleep_level)
     assert engine.sleep_level == 2
     grpo.wake_engine(engine, model, accelerator, policy_version=3)
     tensors = len(model.state_dict())

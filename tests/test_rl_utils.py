@@ -1,8 +1,9 @@
 """utils/rl.py and utils/batch.py against reference numbers computed by hand (NumPy, float64) from each formula: the
 KL estimators of Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv 2506.09477; the
 estimators of grpo_kl.py: test_grpo_kl.py), GRPO's group z-score (arXiv 2402.03300 §4.1.2), token-weighted
-whitening (REINFORCE++ arXiv 2501.03262), pass@k, the micro-batches; and the loss aggregations of the scripts'
-compute_loss: their values by hand and their invariance to how a mini-batch is cut into micro-batches."""
+whitening (REINFORCE++ arXiv 2501.03262), pass@k and utils/evaluation.py's pass rates, the micro-batches; and the
+loss aggregations of the scripts' compute_loss: their values by hand and their invariance to how a mini-batch is cut
+into micro-batches."""
 
 import importlib
 
@@ -207,3 +208,43 @@ def test_micro_batches_group_similar_lengths_and_cut_the_padding():
 ])
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):  # 1 - C(n - c, k) / C(n, k), by hand
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_rates_from_known_completions():
+    """utils/evaluation.py on 3 toy problems, 4 samples each, 2 prompts per sampling call: problem 0 always right,
+    problem 1 right in 1 sample of 4 and wrong greedy, problem 2 never right and unformatted greedy. By hand: greedy
+    pass@1 1/3; sampled pass@1 (1 + 1/4 + 0)/3; pass@2 (1 + (1 - C(3,2)/C(4,2)) + 0)/3 = 1/2; pass@4 2/3; format 2/3."""
+    from accelerate import Accelerator
+
+    from utils.evaluation import pass_rates
+    from utils.models import load_tokenizer
+    from utils.rewards import RewardScorer
+    from utils.runs import RunArgs
+    from utils.tasks import TOY_MODEL_DIR, toy_problems
+
+    tokenizer, _ = load_tokenizer(TOY_MODEL_DIR)
+    rows = toy_problems("test")[:3]
+    right = {row["prompt"]: row["answer"] for row in rows}
+    wrong = {prompt: f"{(int(answer) + 1) % 1000:03d}" for prompt, answer in right.items()}
+    calls = []
+
+    def sample_texts(prompts, n, temperature, top_p):
+        calls.append((len(prompts), n, temperature, top_p))
+        texts = []
+        for ids in prompts:
+            prompt = tokenizer.decode(ids)
+            problem = [r["prompt"] for r in rows].index(prompt)
+            if temperature == 0:
+                texts.append([f"<answer>{right[prompt]}</answer>", f"<answer>{wrong[prompt]}</answer>", "no answer"]
+                             [problem])
+            else:
+                texts += [f"<answer>{(right if i < [4, 1, 0][problem] else wrong)[prompt]}</answer>" for i in range(n)]
+        return texts
+
+    run = RunArgs(eval_size=3, eval_samples=4, eval_temperature=0.6, eval_top_p=0.9)
+    result = pass_rates(sample_texts, RewardScorer("toy", "answer_tags"), tokenizer, rows, Accelerator(cpu=True), run,
+                        chunk_size=2)
+    assert calls == [(2, 1, 0.0, 1.0), (2, 4, 0.6, 0.9), (1, 1, 0.0, 1.0), (1, 4, 0.6, 0.9)]
+    assert result == pytest.approx({"eval/pass@1_greedy": 1 / 3, "eval/pass@1_sampled_k4": 1.25 / 3,
+                                    "eval/pass@2": 0.5, "eval/pass@4": 2 / 3, "eval/format_greedy": 2 / 3,
+                                    "eval/problems": 3}, abs=1e-6)

@@ -38,7 +38,6 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
                       "grpo_tools.py"),  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
 }
 FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may differ in a block declared different
-    ("grpo_tools.py", "create_engine"),  # the engine's context holds tool output too
     ("grpo_tools.py", "resolve_args"),  # the embedded model's default leaves room for a tool call
     ("grpo_tools.py", "start_run"),  # the tool instruction and the tool output's positions
 }
@@ -119,7 +118,7 @@ def test_functions_of_a_block_that_may_differ_are_identical_where_they_share_a_n
                     assert text == texts["grpo.py"][func], f"{script}: {func}() differs from grpo.py's"
                     compared += 1
         if name.startswith("Rollout engine"):
-            assert compared >= 8, compared  # push_weights, wake_engine, sleep_engine, and the rest grpo_async.py shares
+            assert compared >= 7, compared  # push_weights, wake_engine, sleep_engine in both; grpo_async.py's generate
 
 
 def test_shared_args_fields_are_identical_in_every_script():

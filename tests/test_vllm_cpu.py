@@ -30,6 +30,7 @@ import grpo
 from accelerate import Accelerator
 from tests.helpers import resolved
 from utils.batch import make_batch
+from utils.engine import create_engine
 
 torch.set_num_threads(1)
 model_dir = sys.argv[1]  # the embedded model, with sampling defaults that must not leak into rollouts
@@ -41,7 +42,7 @@ args = resolved(grpo, engine="vllm", model=model_dir, max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo.load_tokenizer(args.model)
 model = grpo.load_model(args.model, tokenizer).eval()
-engine = grpo.create_engine(args, accelerator, stop_ids)
+engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 
 def gap(policy_version):
@@ -83,13 +84,14 @@ import grpo_async
 from accelerate import Accelerator
 from tests.helpers import resolved
 from utils.batch import make_batch
+from utils.engine import create_engine
 
 torch.set_num_threads(1)
 args = resolved(grpo_async, engine="vllm", max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo_async.load_tokenizer(args.model)
 model = grpo_async.load_model(args.model, tokenizer).eval()
-engine = grpo_async.create_engine(args, accelerator, stop_ids)
+engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 groups = [{"row": i, "version": 0, "completions": [{"token_ids": [], "logprobs": [], "versions": [], "finished": False,
            "truncated": False} for _ in range(4)]} for i in range(4)]
@@ -157,6 +159,7 @@ import grpo_tools
 from accelerate import Accelerator
 from tests.helpers import resolved
 from utils.batch import make_batch
+from utils.engine import create_engine
 from utils.tasks import toy_mul_problems
 from utils.tools import PythonSandbox
 
@@ -166,7 +169,8 @@ args = resolved(grpo_tools, engine="vllm", model=os.path.join(grpo_tools.TOY_MOD
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = grpo_tools.load_tokenizer(args.model)
 model = grpo_tools.load_model(args.model, tokenizer).eval()
-engine = grpo_tools.create_engine(args, accelerator, stop_ids)
+engine = create_engine(args.run, args.model, args.seed,
+                       args.max_prompt_length + args.max_new_tokens + args.max_turns * args.max_tool_tokens, stop_ids)
 pushes = []
 push = grpo_tools.push_weights
 grpo_tools.push_weights = lambda *a: (pushes.append(1), push(*a))
