@@ -206,7 +206,7 @@ def resolve_args(args, num_processes):
         args.answer_format = "answer_tags"
     check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
                    "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
-    check_fraction(args, "top_p")  # temperature 0 would divide the trainer's logits by 0 (greedy is for evaluation)
+    check_fraction(args, "top_p")  # (temperature > 0 above: the trainer divides its logits by it; greedy is for eval)
     if 0 < args.tis_cap <= 1:
         raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
     check_run_args(args.run, args.total_steps)
@@ -426,14 +426,13 @@ def model_text(tokenizer, sample, mask):
 
 def evaluate(args, engine, model, tokenizer, scorer, sandbox, rows, accelerator, policy_version):
     """Held-out pass@1 (greedy and sampled), pass@k, the greedy format rate (utils/evaluation.py) and tool calls per
-    greedy completion, on this process's share of the test rows; completions may call the tool, as in training."""
+    greedy completion over every process's share of the test rows; completions may call the tool, as in training."""
     greedy_calls = torch.zeros((), device=accelerator.device)
 
     def sample_texts(prompts, n, temperature, top_p):
         samples, masks, completions, _, _ = rollout(args, engine, model, tokenizer, sandbox, prompts, n, temperature,
                                                     top_p, accelerator, policy_version)
-        if temperature == 0:
-            greedy_calls.add_(sum(c["calls"] for c in completions))
+        greedy_calls.add_(sum(c["calls"] for c in completions) if temperature == 0 else 0)  # the greedy pass's
         return [model_text(tokenizer, sample, mask) for sample, mask in zip(samples, masks)]
 
     metrics = pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, chunk_size=64)
@@ -516,10 +515,11 @@ def main(args):
     if sandbox.warning:
         accelerator.print(f"warning: {sandbox.warning}")
     model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
-    engine = create_engine(args.run, args.model, args.seed + accelerator.process_index, args.max_prompt_length
-                           + args.max_new_tokens + args.max_turns * args.max_tool_tokens, stop_ids)  # + tool output
+    completion_len = args.max_new_tokens + args.max_turns * args.max_tool_tokens  # the model's tokens and the tool's
+    engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
+                           args.max_prompt_length + completion_len, stop_ids)
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
-                                                 args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
+                                                 args.max_prompt_length + completion_len, completion_len),
                                   args.run.vllm_gpu_memory_utilization if engine.asleep else None))
     if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
         result = evaluate(args, engine, model, tokenizer, scorer, sandbox, test_rows, accelerator, policy_version=0)

@@ -189,7 +189,7 @@ def resolve_args(args, num_processes):
         args.answer_format = "answer_tags"
     check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
                    "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
-    check_fraction(args, "top_p")  # temperature 0 would divide the trainer's logits by 0 (greedy is for evaluation)
+    check_fraction(args, "top_p")  # (temperature > 0 above: the trainer divides its logits by it; greedy is for eval)
     if 0 < args.tis_cap <= 1:
         raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
     check_run_args(args.run, args.total_steps)
@@ -339,15 +339,15 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
-    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate on this process's share of the test
-    rows (utils/evaluation.py), the completions sampled as in training."""
+    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate over every process's share of the
+    test rows (utils/evaluation.py), each process sampling its share through generate(), as the rollouts do."""
 
     def sample_texts(prompts, n, temperature, top_p):
         samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
                               accelerator, policy_version)
         return tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
 
-    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (one wake and push per call)
+    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (a greedy and a sampled call: one wake each)
     return pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, 64 if engine.llm is None else None)
 
 

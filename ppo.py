@@ -7,7 +7,7 @@
   L_pg = -1/(sum_i |o_i|) sum_i,t min( rho_t A'_t, clip(rho_t, 1 - eps, 1 + eps) A'_t ),  A' = A whitened over the batch
   L_V  = 1/(sum_i |o_i|) sum_i,t 1/2 max( (V - R_t)^2, (clip(V, V_old - c, V_old + c) - R_t)^2 )
 
-rho_t = pi_theta/pi_old per token (exactly 1 on the first mini-batch). V is the policy's weights with a scalar head,
+rho_t = pi_theta/pi_old per token (exactly 1 on the first mini-batch). V is a copy of the initial policy with a scalar head,
 zero-initialized (V = 0 at first: the first advantages are the returns, with no noise from a random head), trained
 by its own AdamW on L_V in the same mini-batch steps as the policy (two optimizers, as verl and OpenRLHF: no vf_coef).
 Worked example (gamma = lam = 1, beta = 0): with V_old = 0 a 3-token completion of reward 1 has A = R = (1, 1, 1);
@@ -252,7 +252,7 @@ def resolve_args(args, num_processes):
         args.answer_format = "answer_tags"
     check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
                    "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
-    check_fraction(args, "top_p")  # temperature 0 would divide the trainer's logits by 0 (greedy is for evaluation)
+    check_fraction(args, "top_p")  # (temperature > 0 above: the trainer divides its logits by it; greedy is for eval)
     if 0 < args.tis_cap <= 1:
         raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
     check_run_args(args.run, args.total_steps)
@@ -402,15 +402,15 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
-    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate on this process's share of the test
-    rows (utils/evaluation.py), the completions sampled as in training."""
+    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate over every process's share of the
+    test rows (utils/evaluation.py), each process sampling its share through generate(), as the rollouts do."""
 
     def sample_texts(prompts, n, temperature, top_p):
         samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
                               accelerator, policy_version)
         return tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
 
-    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (one wake and push per call)
+    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (a greedy and a sampled call: one wake each)
     return pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, 64 if engine.llm is None else None)
 
 

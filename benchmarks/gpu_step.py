@@ -1,6 +1,6 @@
 """GRPO steps at a real model's shape: per-phase times, peak memory, what the vLLM engine's sleep frees, and the
-engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (grpo.py's decode
-loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from utils/engine.py).
+engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (utils/hf_engine.py's
+decode loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from utils/engine.py).
 
 The steps cycle through the vLLM sleep levels (--sleep_levels: 2 drops the weights, 1 keeps them in CPU memory) and
 then the betas (--betas: 0 skips the reference pass); each step reports its phases' times and CUDA peaks (rollout,

@@ -1,6 +1,7 @@
 """How well a model starts on a task under each placement of the answer-format instruction (--instruction): a system
 turn, or after the question in the user turn. Greedy and sampled (T = 1, the rollouts' temperature) accuracy and format
-rate of the untrained model on held-out problems, through grpo.py's own engine and scorer.
+rate of the untrained model on held-out problems, through grpo.py's generate(), utils/engine.py's engine and the
+reward scorer.
 
     python benchmarks/prompt_start.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=2,max_digits=2
 

@@ -103,7 +103,8 @@ def test_shared_blocks_are_identical_in_every_script():
 
 def test_functions_of_a_block_that_may_differ_are_identical_where_they_share_a_name():
     """A block declared different may add or replace functions; a function of the same name is still one text
-    (grpo_tools.py's engine block samples turns with its own sample(), and wakes the engine with grpo.py's code)."""
+    (grpo_tools.py's engine block samples turns with its own sample(), and defines grpo.py's wake_engine, which its
+    rollout() calls once per rollout)."""
     function = re.compile(r"^def (\w+)\(.*?(?=^(?:@[^\n]*\n)*(?:def|class) |\Z)", re.MULTILINE | re.DOTALL)
     for name, scripts in ALGORITHM_SPECIFIC.items():
         if scripts == "*":

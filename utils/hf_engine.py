@@ -1,7 +1,7 @@
 """The HF rollout engine, for CPUs and runs without vLLM: a decode loop over the policy's own forward pass and KV
 cache that samples as vLLM does (tempered top-p nucleus, the log-prob of each drawn token under that distribution).
-The algorithm scripts use it when no vLLM engine runs; their vLLM path (wake, push, generate, sleep) is in each
-script, beside it."""
+The algorithm scripts use it when no vLLM engine runs (utils/engine.py starts vLLM); their vLLM path (wake, push,
+generate, sleep) is in each script's generate(), beside its call to this loop."""
 
 from typing import NamedTuple, Optional
 

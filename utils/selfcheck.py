@@ -157,22 +157,27 @@ def _agreement_bound(args):
 
 
 SLEEP_CHECK = """import importlib.util, json, sys, torch, tyro
+from vllm import SamplingParams
+from utils.engine import create_engine
 spec = importlib.util.spec_from_file_location("script", {script!r})
-script = importlib.util.module_from_spec(spec)
+script = sys.modules["script"] = importlib.util.module_from_spec(spec)  # tyro reads Args' source through it
 spec.loader.exec_module(script)
 args = tyro.cli(script.Args, args=sys.argv[1:])
 accelerator, args, _, _, tokenizer, stop_ids, rows, _ = script.start_run(args)
 model, _, _ = script.load_models(args, tokenizer, accelerator, with_reference=False)
-engine = script.create_engine(args, accelerator, stop_ids)
+engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + 17, stop_ids)
 prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows[:4]]
-before, _ = script.generate(engine, model, tokenizer, prompts, 1, 1.0, 1.0, 16, accelerator, 0)  # then asleep
-from vllm import SamplingParams
-script.wake_engine(engine, model, accelerator, 0)  # a level-2 sleep dropped the weights: pushed again
-outs = engine.llm.generate([{{"prompt_token_ids": p + s.token_ids}} for p, s in zip(prompts, before)],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-script.sleep_engine(engine)
-gaps = [abs(a - lp[t].logprob) for o, p, s in zip(outs, prompts, before)
-        for a, t, lp in zip(s.logprobs, s.token_ids, o.prompt_logprobs[len(p):])]
+
+def sample(prompts, params):  # the script's sequence: wake (a level-2 sleep dropped the weights: pushed), sample, sleep
+    script.wake_engine(engine, model, accelerator, 0)
+    outs = engine.llm.generate([{{"prompt_token_ids": p}} for p in prompts], params, use_tqdm=False)
+    script.sleep_engine(engine)
+    return outs
+
+before = [out.outputs[0] for out in sample(prompts, SamplingParams(max_tokens=16, logprobs=0))]
+after = sample([p + list(s.token_ids) for p, s in zip(prompts, before)], SamplingParams(max_tokens=1, prompt_logprobs=0))
+gaps = [abs(a[t].logprob - b[t].logprob) for p, s, out in zip(prompts, before, after)
+        for t, a, b in zip(s.token_ids, s.logprobs, out.prompt_logprobs[len(p):])]
 print(json.dumps({{"mean_gap": sum(gaps) / len(gaps), "max_gap": max(gaps)}}))
 """
 
