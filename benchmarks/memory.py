@@ -6,6 +6,9 @@ off; and the estimate every run prints at start (utils/memory.py) against what w
     python benchmarks/memory.py --layers 24 --lengths 1024 2048 --models qwen2.5-0.5b --name memory_full_depth
     LD_PRELOAD=libtcmalloc_minimal.so.4 python benchmarks/memory.py --layers 24 --lengths 1024 2048 \
         --models qwen2.5-0.5b --name memory_full_depth_tcmalloc    # the same under tcmalloc (the table says so)
+    python benchmarks/memory.py --reuse                  # the measured cases read back, the estimate computed anew
+    python benchmarks/memory.py --models tiny --lengths 64 128 --out /tmp/memory   # a check in seconds
+    python benchmarks/memory.py --recipes                # the estimate docs/running.md's recipes print at start
 
 Each case runs in a fresh process: a Qwen2 model of the shape with random weights (no hub), float32 on the CPU, one
 micro-batch of --micro_batch sequences of 64 prompt tokens and T completion tokens: forward through the trainer's
@@ -16,7 +19,7 @@ the model existed (weights and Adam's moments too); the step time is the median 
 glibc's allocator keeps of freed memory too (a preloaded allocator keeps less), so a fourth, untimed step runs
 under torch's MemTracker: its tensor peak is the most bytes the step's tensors held at once (parameters, gradients,
 optimizer state, activations, temporaries), what torch.cuda.max_memory_allocated measures on a GPU. The estimate is
-checked against both. The per-token cost is the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024)
+checked against both; it is a function of the case alone, so --reuse recomputes it for measurements read back. The per-token cost is the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024)
 completion tokens, below which the log-prob chunk itself grows with T. Cases run interleaved, so the time ratios
 compare steps measured under the same load. The depth is cut to --layers on a CPU (the output layer and the per-layer
 terms are the same at any depth; the estimate takes the depth into account).
@@ -39,7 +42,14 @@ SHAPES = {  # the models' configs (Hugging Face), vocabulary included
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,  # a check in
+                 num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),  # seconds (the tests)
 }
+MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]  # the default
+RECIPES = {  # docs/running.md's recipes, on 8 GPUs (bf16, gradient checkpointing): what their runs print at start
+    "gsm8k": dict(shape="qwen2.5-0.5b", micro_batch=8, prompt=512, completion=512, reference=True, fsdp=False),
+    "math": dict(shape="qwen2.5-1.5b", micro_batch=4, prompt=1024, completion=3000, reference=False, fsdp=True),
+}  # Qwen2.5-Math-1.5B has Qwen2.5-1.5B's shape
 CASES = (("full", "off"), ("chunked", "off"), ("chunked", "on"))  # log-probs, gradient checkpointing
 PROMPT = 64
 
@@ -55,6 +65,40 @@ def reset_peak():
         f.write("5")
 
 
+def parameter_sizes(config):
+    """The element count of each parameter of a Qwen2 model of `config` (built on the meta device: no memory)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return [p.numel() for p in Qwen2ForCausalLM(config).parameters()]
+
+
+def estimate_case(shape, layers, length, checkpointing, micro_batch, **_):
+    """The estimate every run prints at start (utils/memory.py) for one case: its parts in GB (and "total")."""
+    from transformers import Qwen2Config
+
+    from utils.memory import estimate
+
+    config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=PROMPT + length)
+    sizes = parameter_sizes(config)
+    parts = estimate(config, sum(sizes), max(sizes), 0, micro_batch, PROMPT + length, length, checkpointing == "on")
+    return {k: v / 2**30 for k, v in parts.items()}
+
+
+def recipe_estimate(shape, micro_batch, prompt, completion, reference, fsdp, gpus=8):
+    """The estimate a recipe's run prints at start on each of `gpus` GPUs: its parts in GB (and "total")."""
+    from transformers import Qwen2Config
+
+    from utils.memory import estimate
+
+    config = Qwen2Config(**SHAPES[shape])
+    sizes = parameter_sizes(config)
+    parts = estimate(config, sum(sizes), max(sizes), sum(sizes) if reference else 0, micro_batch, prompt + completion,
+                     completion, True, bf16=True, processes=gpus, fsdp=fsdp, cuda=True)
+    return {k: v / 2**30 for k, v in parts.items()}
+
+
 def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, threads):
     """Runs in its own process: the measurement of one case, as a dict."""
     import torch
@@ -62,7 +106,6 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from utils.logprobs import full_vocabulary_logprobs, token_logprobs
-    from utils.memory import estimate, parameters
     from utils.models import gradient_checkpointing
 
     torch.set_num_threads(threads)
@@ -98,12 +141,9 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     tensor_peak = sum(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())
-    parts = estimate(config, parameters(model), 0, micro_batch, PROMPT + length, length, checkpointing == "on")
     return {"shape": shape, "layers": layers, "length": length, "logprobs": logprobs, "checkpointing": checkpointing,
             "micro_batch": micro_batch, "pass_gb": pass_peak / 2**30, "peak_gb": peak / 2**30,
-            "tensor_peak_gb": tensor_peak / 2**30,
-            "step_s": statistics.median(seconds[1:]),
-            "estimate_gb": parts["total"] / 2**30, "estimate": {k: v / 2**30 for k, v in parts.items()}}
+            "tensor_peak_gb": tensor_peak / 2**30, "step_s": statistics.median(seconds[1:])}
 
 
 def slope(xs, ys):
@@ -114,32 +154,48 @@ def slope(xs, ys):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=sorted(SHAPES), choices=sorted(SHAPES))
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096])
     parser.add_argument("--micro_batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--name", default="memory")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="folder of the results")
+    parser.add_argument("--reuse", action="store_true", help="read the measured cases back from NAME.jsonl in --out "
+                        "and measure only those missing; the estimate is always computed anew")
+    parser.add_argument("--recipes", action="store_true", help="print the estimate of docs/running.md's recipes")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case and print its JSON
     opts = parser.parse_args()
+    if opts.recipes:
+        for name, recipe in RECIPES.items():
+            parts = recipe_estimate(**recipe)
+            print(f"{name}: {parts['total']:.1f} GB per GPU (" + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()
+                                                                        if k != "total") + ")")
+        return
     if opts.case:
         print(json.dumps(one_case(**json.loads(opts.case))))
         return
-    from toy_runs import write_results
-
+    jsonl = os.path.join(opts.out, f"{opts.name}.jsonl")
+    measured = [json.loads(line) for line in open(jsonl)] if opts.reuse and os.path.exists(jsonl) else []
     results = []
     for shape in opts.models:
         for length in opts.lengths:
             for logprobs, checkpointing in CASES:
                 case = dict(shape=shape, layers=opts.layers, length=length, logprobs=logprobs,
                             checkpointing=checkpointing, micro_batch=opts.micro_batch, threads=opts.threads)
-                proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
-                                      text=True)
-                if proc.returncode != 0:
-                    raise SystemExit(proc.stderr[-3000:])
-                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(json.dumps(results[-1]), flush=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", f"{opts.name}.jsonl"), "w") as f:
+                result = next((r for r in measured if all(r[k] == v for k, v in case.items() if k != "threads")), None)
+                if result is None:
+                    proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
+                                          text=True)
+                    if proc.returncode != 0:
+                        raise SystemExit(proc.stderr[-3000:])
+                    result = json.loads(proc.stdout.strip().splitlines()[-1])
+                result["estimate"] = estimate_case(**case)
+                result["estimate_gb"] = result["estimate"]["total"]
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    os.makedirs(opts.out, exist_ok=True)
+    with open(jsonl, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)
     preload = f"LD_PRELOAD={os.environ['LD_PRELOAD']} " if os.environ.get("LD_PRELOAD") else ""  # an allocator
     lines = [f"`{preload}python benchmarks/memory.py {' '.join(sys.argv[1:])}` ({opts.layers} layers, micro-batch "
@@ -165,7 +221,10 @@ def main():
             lines.append(f"| {shape} | {logprobs} | {checkpointing} | " + " | ".join(
                 f"{slope([r['length'] for r in points], [r[key] * 1024 for r in points]):.3f}"
                 for key in ("pass_gb", "peak_gb", "tensor_peak_gb")) + " |")
-    path = write_results(opts.name, lines)
+    path = os.path.join(opts.out, opts.name)
+    with open(path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
     try:
         import matplotlib
 

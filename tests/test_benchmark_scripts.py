@@ -143,6 +143,51 @@ def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_p
     assert "4 of 4 runs read back" in reread and table_rows(reread, 8)[2:] == rows
 
 
+@pytest.mark.slow
+def test_memory_measures_every_case_and_the_estimate_holds_the_tensor_peak(tmp_path):
+    """A small Qwen2 (vocabulary 32,000, width 128, 2 layers), 64 and 128 completion tokens: every case measured, the
+    chunked log-prob pass below the whole-vocabulary one, and the estimate within 10 % of the tensor peak, which at
+    these lengths is the weights, gradients and AdamW state plus the step's two temporaries of the tied embedding's
+    size (allocation sizes, the same on any CPU). --reuse reads the measurements back and gives the same table."""
+    command = ["benchmarks/memory.py", "--models", "tiny", "--lengths", "64", "128", "--threads", "1", "--out",
+               str(tmp_path)]
+    out = run_script(command)
+    assert (tmp_path / "memory.md").read_text().strip() in out
+    header, _, *rows = table_rows(out, 11)
+    assert header[5:9] == ["step peak GB", "tensor peak GB", "estimate GB", "estimate error (RSS / tensors)"]
+    assert [row[1:4] for row in rows] == [[t, *case] for t in ("64", "128") for case in
+                                          (["full", "off"], ["chunked", "off"], ["chunked", "on"])]
+    results = [json.loads(line) for line in open(tmp_path / "memory.jsonl")]
+    for result in results:
+        assert abs(result["estimate_gb"] / result["tensor_peak_gb"] - 1) < 0.10, result
+    full, chunked = results[3], results[4]  # T = 128
+    assert chunked["pass_gb"] < full["pass_gb"]
+    reread = run_script(command[:1] + ["--reuse"] + command[1:])
+    assert table_rows(reread, 11)[2:] == rows
+
+
+def test_the_estimate_is_the_state_plus_the_larger_of_the_two_phases():
+    """utils/memory.estimate: weights, gradients and AdamW state, plus the activations and log-prob pass or the step's
+    scratch, whichever is larger; on a CPU the scratch is two float32 copies of the largest trained parameter, on a
+    GPU one of every trained parameter (AdamW's foreach step); FSDP2 divides the state and the scratch."""
+    from transformers import Qwen2Config
+
+    from utils.memory import estimate
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000)
+    P, M = 10_000_000, 4_000_000
+    for cuda, fsdp in ((False, False), (True, False), (True, True)):
+        for length in (8, 50_000):
+            parts = estimate(config, P, M, 0, 1, 16 + length, length, False, processes=4, fsdp=fsdp, cuda=cuda)
+            W = 4 if fsdp else 1
+            assert parts["weights"] == parts["gradients"] == 4 * P / W and parts["optimizer"] == 8 * P / W
+            assert parts["scratch"] == (4 * P if cuda else 8 * M) / W
+            passes = parts["activations"] + parts["logprobs"]
+            assert parts["total"] == 16 * P / W + max(passes, parts["scratch"])
+            assert (passes > parts["scratch"]) == (length == 50_000)
+
+
 def test_lora_sweep_summarizes_seeds_and_gives_the_mean_alone_for_one(monkeypatch):
     monkeypatch.setattr(sys, "path", [BENCHMARKS, *sys.path])
     import lora_sweep

@@ -2,21 +2,29 @@
 of the longest sequences, from the models' sizes and the run's arguments, printed at start (and, on a GPU, with
 the rollout engine's share). benchmarks/memory.py measures the same quantities and reports the estimate's error.
 
-Per process, with P the parameters of the models trained (the policy; ppo.py's critic too), F those of the frozen
-reference, W the processes (FSDP2 shards every model over them; DDP does not), b x S tokens in a micro-batch of
-which b x T are completion tokens, L decoder layers of width H, MLP width I, key/value width K:
+Per process, with P the parameters of the models trained (the policy; ppo.py's critic too), M the largest of them,
+F those of the frozen reference, W the processes (FSDP2 shards every model over them; DDP does not), b x S tokens in
+a micro-batch of which b x T are completion tokens, L decoder layers of width H, MLP width I, key/value width K:
+
+  peak = weights + gradients + optimizer + max(activations + log-probs, scratch)
 
   weights      4 (P + F) / W          float32 master weights (GPU: bf16 autocast or FSDP2's bf16 compute copies)
-  gradients    4 P / W                float32
+  gradients    4 P / W                float32 (a second micro-batch's forward pass runs beside the first's gradients)
   optimizer    8 P / W                AdamW's two moments
   activations  b S L a                 a = A (7 H + 2 K + 4 I) bytes per token and layer: the tensors a Llama/Qwen
                                        layer keeps for its backward pass (A = 4 in float32, 2 under bf16);
                                        with gradient checkpointing b S (L A' H + a), A' the residual stream's bytes
   log-probs    b T H 4 + 2 C V 4       the hidden states the output layer reads, and one chunk of C = CHUNK_TOKENS
                                        positions' float32 logits, with the temporaries of their log-sum-exp
-  scratch      4 M                     M = the largest parameter (a tied embedding's two gradients as they meet; the
-                                       optimizer's per-tensor temporaries), or on a GPU 4 P / W (AdamW's foreach
-                                       implementation makes temporaries of every parameter at once)
+  scratch      8 M / W                 the step's temporaries once the activations are freed: AdamW's per-parameter
+                                       step (a CPU's) holds two of the largest parameter's size (sqrt of the second
+                                       moment, then its quotient), as a tied embedding's backward does (its two
+                                       gradients meeting); on a GPU 4 P / W (AdamW's foreach step makes a
+                                       temporary of every parameter at once)
+
+The activations and the log-prob pass's tensors are freed before the end of the backward pass, where the scratch
+begins: the peak is the larger of the two on top of the state. benchmarks/memory.py measures both phases' peak
+(torch's MemTracker) and reports the estimate's error.
 """
 
 import torch
@@ -31,10 +39,10 @@ def parameters(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def estimate(config, trained, frozen, micro_batch, seq_len, completion_len, checkpointing, bf16=False,
+def estimate(config, trained, largest, frozen, micro_batch, seq_len, completion_len, checkpointing, bf16=False,
              processes=1, fsdp=False, cuda=False):
     """Bytes of each part of one process's trainer peak (dict, and "total"), per the module docstring. config: the
-    policy's model config; trained, frozen: parameter counts."""
+    policy's model config; trained, frozen: parameter counts; largest: the largest trained parameter's count."""
     shard = processes if fsdp else 1
     act_bytes = 2 if bf16 else 4
     H, I, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -47,8 +55,9 @@ def estimate(config, trained, frozen, micro_batch, seq_len, completion_len, chec
              "optimizer": 8 * trained / shard, "activations": activations,
              "logprobs": micro_batch * completion_len * H * 4 + min(CHUNK_TOKENS, micro_batch * completion_len) *
              config.vocab_size * 4 * 2,
-             "scratch": 4 * trained / shard if cuda else 4 * config.vocab_size * config.hidden_size}
-    parts["total"] = sum(parts.values())
+             "scratch": (4 * trained if cuda else 8 * largest) / shard}
+    parts["total"] = (parts["weights"] + parts["gradients"] + parts["optimizer"] +
+                      max(parts["activations"] + parts["logprobs"], parts["scratch"]))
     return parts
 
 
@@ -83,10 +92,10 @@ def trainer_memory(accelerator, trained_models, frozen_models, micro_batch, seq_
     are wrapped for it, bf16, the processes and FSDP2 from the accelerator."""
     models = [m for m in trained_models if m is not None]
     frozen = [m for m in frozen_models if m is not None]
-    trainable = sum(p.numel() for m in models for p in m.parameters() if p.requires_grad)
+    trainable = [p.numel() for m in models for p in m.parameters() if p.requires_grad]
     fixed = sum(p.numel() for m in models for p in m.parameters() if not p.requires_grad) + sum(map(parameters, frozen))
     checkpointing = any(type(module).__name__ == "CheckpointWrapper" for module in models[0].modules())
     config = getattr(accelerator.unwrap_model(models[0]), "config")
-    return estimate(config, trainable, fixed, micro_batch, seq_len, completion_len, checkpointing,
+    return estimate(config, sum(trainable), max(trainable), fixed, micro_batch, seq_len, completion_len, checkpointing,
                     accelerator.mixed_precision == "bf16", accelerator.num_processes, accelerator.is_fsdp2,
                     torch.cuda.is_available())
