@@ -19,9 +19,10 @@ the model existed (weights and Adam's moments too); the step time is the median 
 glibc's allocator keeps of freed memory too (a preloaded allocator keeps less), so a fourth, untimed step runs
 under torch's MemTracker: its tensor peak is the most bytes the step's tensors held at once (parameters, gradients,
 optimizer state, activations, temporaries), what torch.cuda.max_memory_allocated measures on a GPU. The estimate is
-checked against both; it is a function of the case alone, so --reuse recomputes it for measurements read back. The per-token cost is the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024)
-completion tokens, below which the log-prob chunk itself grows with T. Cases run interleaved, so the time ratios
-compare steps measured under the same load. The depth is cut to --layers on a CPU (the output layer and the per-layer
+checked against both; it is a function of the case alone, so --reuse recomputes it for measurements read back.
+The per-token cost is the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024) completion tokens,
+below which the log-prob chunk itself grows with T. Cases run interleaved, so the time ratios compare steps measured
+under the same load. The depth is cut to --layers on a CPU (the output layer and the per-layer
 terms are the same at any depth; the estimate takes the depth into account).
 """
 
@@ -47,8 +48,8 @@ SHAPES = {  # the models' configs (Hugging Face), vocabulary included
 }
 MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]  # the default
 RECIPES = {  # docs/running.md's recipes, on 8 GPUs (bf16, gradient checkpointing): what their runs print at start
-    "gsm8k": dict(shape="qwen2.5-0.5b", micro_batch=8, prompt=512, completion=512, reference=True, fsdp=False),
-    "math": dict(shape="qwen2.5-1.5b", micro_batch=4, prompt=1024, completion=3000, reference=False, fsdp=True),
+    "gsm8k": ("qwen2.5-0.5b", dict(micro_batch=8, prompt=512, completion=512, reference=True, fsdp=False)),
+    "math": ("qwen2.5-1.5b", dict(micro_batch=4, prompt=1024, completion=3000, reference=False, fsdp=True)),
 }  # Qwen2.5-Math-1.5B has Qwen2.5-1.5B's shape
 CASES = (("full", "off"), ("chunked", "off"), ("chunked", "on"))  # log-probs, gradient checkpointing
 PROMPT = 64
@@ -65,37 +66,26 @@ def reset_peak():
         f.write("5")
 
 
-def parameter_sizes(config):
-    """The element count of each parameter of a Qwen2 model of `config` (built on the meta device: no memory)."""
+def case_config(shape, layers=None, length=0):
+    """The Qwen2 config of a shape, cut to `layers` decoder layers (None: all), for PROMPT + length positions."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers or SHAPES[shape]["num_hidden_layers"]},
+                       max_position_embeddings=PROMPT + length)
+
+
+def estimate_gb(config, micro_batch, prompt, completion, checkpointing, reference=False, **flags):
+    """The estimate a run of this model prints at start (utils/memory.py): its parts in GB (and "total"). The
+    parameters are counted on the meta device (no memory); `flags`: estimate()'s bf16, processes, fsdp, cuda."""
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from utils.memory import estimate
+
     with torch.device("meta"):
-        return [p.numel() for p in Qwen2ForCausalLM(config).parameters()]
-
-
-def estimate_case(shape, layers, length, checkpointing, micro_batch, **_):
-    """The estimate every run prints at start (utils/memory.py) for one case: its parts in GB (and "total")."""
-    from transformers import Qwen2Config
-
-    from utils.memory import estimate
-
-    config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=PROMPT + length)
-    sizes = parameter_sizes(config)
-    parts = estimate(config, sum(sizes), max(sizes), 0, micro_batch, PROMPT + length, length, checkpointing == "on")
-    return {k: v / 2**30 for k, v in parts.items()}
-
-
-def recipe_estimate(shape, micro_batch, prompt, completion, reference, fsdp, gpus=8):
-    """The estimate a recipe's run prints at start on each of `gpus` GPUs: its parts in GB (and "total")."""
-    from transformers import Qwen2Config
-
-    from utils.memory import estimate
-
-    config = Qwen2Config(**SHAPES[shape])
-    sizes = parameter_sizes(config)
+        sizes = [p.numel() for p in Qwen2ForCausalLM(config).parameters()]
     parts = estimate(config, sum(sizes), max(sizes), sum(sizes) if reference else 0, micro_batch, prompt + completion,
-                     completion, True, bf16=True, processes=gpus, fsdp=fsdp, cuda=True)
+                     completion, checkpointing, **flags)
     return {k: v / 2**30 for k, v in parts.items()}
 
 
@@ -103,7 +93,7 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
     """Runs in its own process: the measurement of one case, as a dict."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from utils.logprobs import full_vocabulary_logprobs, token_logprobs
     from utils.models import gradient_checkpointing
@@ -111,7 +101,7 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     before = status("VmRSS")
-    config = Qwen2Config(**{**SHAPES[shape], "num_hidden_layers": layers}, max_position_embeddings=PROMPT + length)
+    config = case_config(shape, layers, length)
     model = Qwen2ForCausalLM(config).eval()  # eval: as the trainer keeps the policy (no dropout)
     gradient_checkpointing(model, checkpointing, model_name="not-the-embedded-model")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -167,14 +157,16 @@ def main():
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case and print its JSON
     opts = parser.parse_args()
     if opts.recipes:
-        for name, recipe in RECIPES.items():
-            parts = recipe_estimate(**recipe)
+        for name, (shape, recipe) in RECIPES.items():
+            parts = estimate_gb(case_config(shape), checkpointing=True, bf16=True, processes=8, cuda=True, **recipe)
             print(f"{name}: {parts['total']:.1f} GB per GPU (" + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()
                                                                         if k != "total") + ")")
         return
     if opts.case:
         print(json.dumps(one_case(**json.loads(opts.case))))
         return
+    from toy_runs import write_results
+
     jsonl = os.path.join(opts.out, f"{opts.name}.jsonl")
     measured = [json.loads(line) for line in open(jsonl)] if opts.reuse and os.path.exists(jsonl) else []
     results = []
@@ -190,7 +182,8 @@ def main():
                     if proc.returncode != 0:
                         raise SystemExit(proc.stderr[-3000:])
                     result = json.loads(proc.stdout.strip().splitlines()[-1])
-                result["estimate"] = estimate_case(**case)
+                result["estimate"] = estimate_gb(case_config(shape, opts.layers, length), opts.micro_batch, PROMPT,
+                                                 length, checkpointing == "on")
                 result["estimate_gb"] = result["estimate"]["total"]
                 results.append(result)
                 print(json.dumps(result), flush=True)
@@ -221,10 +214,7 @@ def main():
             lines.append(f"| {shape} | {logprobs} | {checkpointing} | " + " | ".join(
                 f"{slope([r['length'] for r in points], [r[key] * 1024 for r in points]):.3f}"
                 for key in ("pass_gb", "peak_gb", "tensor_peak_gb")) + " |")
-    path = os.path.join(opts.out, opts.name)
-    with open(path + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path = write_results(opts.name, lines, opts.out)
     try:
         import matplotlib
 

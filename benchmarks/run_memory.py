@@ -152,9 +152,7 @@ def main():
         lines.append(f"| {'full' if r['rank'] == 0 else 'LoRA rank ' + str(r['rank'])} | {describe(r['allocator'])} | "
                      f"{r['rss_gb']:.2f} | {r['rss_gb'] / full['rss_gb']:.2f} | {r['step_s']:.1f} | "
                      f"{r['step_s'] / full['step_s']:.2f} | {vs_glibc} | {same} |")
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    toy_runs.write_results(args.name, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -111,10 +111,10 @@ def pyplot():
     return plt
 
 
-def write_results(name, lines):
-    """Print a results table and write it to benchmarks/results/<name>.md; returns the path without its suffix."""
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "benchmarks", "results", name)
+def write_results(name, lines, out=os.path.join(ROOT, "benchmarks", "results")):
+    """Print a results table and write it to <out>/<name>.md; returns the path without its suffix."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
