@@ -43,8 +43,8 @@ from utils.rewards import RewardScorer, default_reward_workers
 from utils.rl import engine_is_weights, group_centered, kl_k3
 from utils.rollout_page import token_recorder
 from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
-                        quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, step_metrics,
-                        write_eval_only)
+                        quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, set_mmap_threshold,
+                        step_metrics, write_eval_only)
 from utils.selfcheck import self_check
 from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
 
@@ -195,6 +195,7 @@ def start_run(args):
     from accelerate.utils import set_seed
 
     torch.set_num_threads(args.run.threads)
+    set_mmap_threshold(args.run.malloc_mmap_threshold)  # glibc hands what tensors free back to the system
     quiet_libraries()
     accelerator = make_accelerator()  # bf16 on a GPU; DDP or FSDP2 (configs/) over GPUs or CPU processes
     script = os.path.splitext(os.path.basename(__file__))[0]

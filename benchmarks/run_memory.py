@@ -1,25 +1,29 @@
 """Peak resident memory of a real run on the CPU: full fine-tuning against LoRA, under glibc's allocator as it comes,
-with glibc handing freed memory back at once, and under jemalloc and tcmalloc.
+with a fixed mmap threshold (grpo.py's default: 4 MiB), and under jemalloc and tcmalloc.
 
     python benchmarks/run_memory.py                     # the README's SmolLM2-135M run, 3 steps each
-    python benchmarks/run_memory.py --ranks 0 1 64 --allocators glibc mmap_threshold=1048576 jemalloc tcmalloc
+    python benchmarks/run_memory.py --ranks 0 1 64 --allocators glibc mmap_threshold=4194304 jemalloc tcmalloc
     python benchmarks/run_memory.py --steps 2 -- --num_generations 4       # the toy (grpo.py's defaults), other flags
 
 Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA with --learning_rate 1e-4, 10x the
 README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for
 --steps steps (no evaluation; its weights are deleted once it finished) once under each of --allocators:
-- glibc: the default. Its mmap threshold is dynamic and rises up to 32 MiB, so the freed blocks of tensors below it
-  stay in the process's heap for reuse, and the heap fragments as tensors of other sizes come and go;
-- mmap_threshold=N: MALLOC_MMAP_THRESHOLD_=N, every allocation above N bytes is mapped on its own and unmapped when
-  freed: resident memory follows what the tensors hold, and each large tensor's pages are faulted in afresh;
+- glibc: glibc's default (--malloc_mmap_threshold 0). Its mmap threshold is dynamic and rises up to 32 MiB, so the
+  freed blocks of tensors below it stay in the process's heap for reuse, and the heap fragments as tensors of other
+  sizes come and go;
+- mmap_threshold=N: --malloc_mmap_threshold N (set with mallopt at the run's start; 4194304 is the default): every
+  allocation above N bytes is mapped on its own and unmapped when freed, so resident memory follows what the tensors
+  hold, and each large tensor's pages are faulted in afresh;
 - jemalloc, tcmalloc: the library preloaded (LD_PRELOAD=libjemalloc.so.2, libtcmalloc_minimal.so.4; Debian's
-  libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start.
+  libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start (with --malloc_mmap_threshold 0,
+  which only sets glibc's malloc).
 The peak is the training process's `memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the
 step time is the median of the steps after the first; an allocator must not change what is computed, so each run's
-step metrics (reward, completion length, losses, gradient norm) are compared with glibc default's, step by step. Ratios are against full fine-tuning under the same allocator and
-against glibc's default for the same training, measured in the same invocation; a rank's allocators are started
-together (--jobs as many as --allocators) so that they see the same load. --reuse reads the finished runs of an
-earlier invocation back from the run folder (the same command and allocator, saved in its benchmark.json).
+step metrics (reward, completion length, losses, gradient norm) are compared with glibc default's, step by step.
+Ratios are against full fine-tuning under the same allocator and against glibc's default for the same training,
+measured in the same invocation; a rank's allocators are started together (--jobs as many as --allocators) so that
+they see the same load. --reuse reads the finished runs of an earlier invocation back from the run folder (the same
+command and allocator, saved in its benchmark.json).
 """
 
 import argparse
@@ -43,25 +47,25 @@ README_RUN = ["--model", "smollm2-135m", "--task", "rg:chain_sum:min_terms=2,max
 PRELOADS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
 
 
-def allocator_env(allocator):
-    """The environment variables that select `allocator` -> dict; a one-line error for a name it does not know."""
-    if allocator == "glibc":
-        return {}
+def allocator_setting(allocator):
+    """The environment variables and grpo.py flags that select `allocator` -> (dict, list); a one-line error for a
+    name it does not know."""
     if allocator.startswith("mmap_threshold=") and allocator.split("=", 1)[1].isdigit():
-        return {"MALLOC_MMAP_THRESHOLD_": allocator.split("=", 1)[1]}
-    if allocator in PRELOADS:
-        return {"LD_PRELOAD": PRELOADS[allocator]}
+        return {}, ["--malloc_mmap_threshold", allocator.split("=", 1)[1]]
+    if allocator == "glibc" or allocator in PRELOADS:
+        return {"LD_PRELOAD": PRELOADS[allocator]} if allocator in PRELOADS else {}, ["--malloc_mmap_threshold", "0"]
     raise SystemExit(f"error: --allocators {allocator}: use glibc, mmap_threshold=BYTES, {', '.join(PRELOADS)}")
 
 
 def check_loaded(allocator):
     """A preloaded allocator that is not installed is skipped by the loader with a warning: fail here instead."""
-    env = {**os.environ, **allocator_env(allocator)}
+    env = {**os.environ, **allocator_setting(allocator)[0]}
     if allocator in PRELOADS:
         probe = "import sys; sys.exit(not any(sys.argv[1] in line for line in open('/proc/self/maps')))"
         if subprocess.run([sys.executable, "-c", probe, allocator], env=env, capture_output=True).returncode:
+            package = "libjemalloc2" if allocator == "jemalloc" else "libtcmalloc-minimal4"
             raise SystemExit(f"error: --allocators {allocator}: {PRELOADS[allocator]} is not installed "
-                             f"(apt-get install {'libjemalloc2' if allocator == 'jemalloc' else 'libtcmalloc-minimal4'})")
+                             f"(apt-get install {package})")
 
 
 SAME_KEYS = ["charts/reward", "charts/completion_length", "losses/policy", "losses/kl", "policy/grad_norm"]
@@ -72,13 +76,14 @@ def one_run(rank, allocator, steps, threads, out_dir, flags, reuse=False):
     name = f"r{rank}_{allocator.replace('=', '')}"
     run_dir = os.path.join(out_dir, f"{name}__1")
     lora = ["--lora_rank", str(rank), "--learning_rate", "1e-4"] if rank else []
-    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, *lora, "--total_steps", str(steps),
+    env_vars, allocator_flags = allocator_setting(allocator)
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), *flags, *lora, *allocator_flags, "--total_steps", str(steps),
            "--eval_every", "0", "--save_every", "0", "--threads", str(threads), "--output_dir", out_dir,
            "--exp_name", name]
     env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")}
-    env.update(allocator_env(allocator))
+    env.update(env_vars)
     done = os.path.join(run_dir, "benchmark.json")  # written when the run finished: its command and allocator
-    this = {"cmd": cmd[1:], "allocator": allocator_env(allocator)}
+    this = {"cmd": cmd[1:], "allocator": env_vars}
     reused = reuse and os.path.exists(done) and json.load(open(done)) == this
     if not reused:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -102,14 +107,16 @@ def largest_difference(run, baseline):
 
 def describe(allocator):
     if allocator.startswith("mmap_threshold="):
-        return f"glibc, MALLOC_MMAP_THRESHOLD_={allocator.split('=', 1)[1]}"
+        threshold = int(allocator.split("=", 1)[1])
+        return f"glibc, mmap threshold {threshold / 2**20:g} MiB" + (" (grpo.py's default)" if threshold == 4 << 20
+                                                                      else "")
     return "glibc default" if allocator == "glibc" else f"{allocator} (LD_PRELOAD)"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", nargs="+", type=int, default=[0, 1, 64])
-    parser.add_argument("--allocators", nargs="+", default=["glibc", "mmap_threshold=131072"],
+    parser.add_argument("--allocators", nargs="+", default=["glibc", "mmap_threshold=4194304"],
                         help="glibc, mmap_threshold=BYTES, jemalloc, tcmalloc")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)

@@ -76,6 +76,8 @@ def settings(a):
         ("engine", f"--engine {a.run.engine}", "HF generate (use_vllm=False)"),
         ("threads", f"--threads {a.run.threads}",
          f"torch.set_num_threads({a.run.threads}) before the trainer is built"),
+        ("glibc's mmap threshold", f"--malloc_mmap_threshold {a.run.malloc_mmap_threshold}",
+         f"set_mmap_threshold({a.run.malloc_mmap_threshold}) (utils/runs.py) before the trainer is built"),
         ("not matched: speed knobs", f"policy/reference passes in micro-batches of {a.micro_batch_size} sorted by "
          "length (the same update); its own decode loop", f"one pass of {batch} padded to the longest; "
          "transformers' generate()"),
@@ -88,8 +90,11 @@ def trl_side(seed, steps, out_dir, flags):
     """One TRL run, logging {step, charts/reward, time/step} per step to <out_dir>/trl__<seed>/metrics.jsonl."""
     import torch
 
+    from utils.runs import set_mmap_threshold
+
     args = grpo_args(seed, flags)
     torch.set_num_threads(args.run.threads)
+    set_mmap_threshold(args.run.malloc_mmap_threshold)
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer

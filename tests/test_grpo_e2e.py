@@ -3,6 +3,7 @@ the --help text, and the learning check (the reward rises)."""
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -57,8 +58,41 @@ def test_run_names_two_commands_never_share_a_folder():
     others = {name(beta=0.0), name(learning_rate=1e-4), name(engine="vllm"), name(task="toy_mul"), readme,
               name(model="smollm2-135m", task="rg:chain_sum:min_terms=2,max_terms=4", learning_rate=1e-5)}
     assert len(others) == 6 and "grpo__1" not in others
-    assert name(beta=0.0) == name(beta=0.0, threads=2, output_dir="elsewhere", resume=True)  # --resume finds it
+    assert name(beta=0.0) == name(beta=0.0, threads=2, output_dir="elsewhere", resume=True,  # --resume finds it
+                                  malloc_mmap_threshold=0)
     assert name(beta=0.0, exp_name="mine") == "mine__1"
+
+
+MAPPED_BYTES = """
+import ctypes, sys, torch
+from utils.runs import set_mmap_threshold
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+set_mmap_threshold(int(sys.argv[1]))
+torch.empty(8 << 20, dtype=torch.uint8)  # mapped on its own and freed at once: a dynamic threshold rises above it
+before = libc.mallinfo2().hblkhd
+held = torch.empty(6 << 20, dtype=torch.uint8)
+print(libc.mallinfo2().hblkhd - before)  # the bytes glibc mapped for the 6 MiB tensor, 0 if it came from the heap
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="--malloc_mmap_threshold sets glibc's malloc")
+def test_the_mmap_threshold_maps_large_tensors_on_their_own_and_the_environment_wins():
+    """--malloc_mmap_threshold (utils/runs.set_mmap_threshold), read off glibc's own counts (mallinfo2): at 4 MiB a
+    6 MiB tensor is mapped on its own (its memory goes back to the system when freed), also after a larger block was
+    freed; at 0, glibc's default, that free lifts the threshold and the tensor comes from the heap; a
+    MALLOC_MMAP_THRESHOLD_ in the environment is left to rule."""
+    def mapped(threshold, **env):
+        proc = subprocess.run([sys.executable, "-c", MAPPED_BYTES, str(threshold)], cwd=ROOT, capture_output=True,
+                              text=True, env=dict(os.environ, PYTHONPATH=ROOT, **env), check=True)
+        return int(proc.stdout)
+
+    assert mapped(4 << 20) >= 6 << 20
+    assert mapped(0) == 0
+    assert mapped(4 << 20, MALLOC_MMAP_THRESHOLD_=str(16 << 20)) == 0
 
 
 def test_step_metrics_are_the_rollouts_and_the_phases_add_up_to_the_step():
@@ -113,6 +147,7 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     ({"micro_batch_size": 7}, "must divide into --num_minibatches"),
     ({"clip_eps": -0.1}, "--clip_eps and --adv_eps must be >= 0"),
     ({"tis_cap": 0.5}, "--tis_cap 0.5: must be > 1"),
+    ({"malloc_mmap_threshold": -1}, "--malloc_mmap_threshold -1: must be >= 0"),
 ])
 def test_every_bad_argument_is_caught_before_heavy_work(overrides, message):
     with pytest.raises(ValueError) as error:

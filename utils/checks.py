@@ -29,7 +29,7 @@ def check_run_args(run, total_steps):
     """The run's plumbing flags (RunArgs) and the step count."""
     check_positive(run, "reward_timeout", "eval_samples", "threads", "html_groups")
     for name in ("eval_every", "save_every", "log_completions_every", "html_every", "eval_temperature", "reward_workers",
-                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop"):
+                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop", "malloc_mmap_threshold"):
         if not getattr(run, name) >= 0:
             raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")
     check_fraction(run, "eval_top_p")

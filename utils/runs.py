@@ -4,11 +4,13 @@ statistics and metrics (defined once, so every script's times and throughputs co
 reduction, and the console."""
 
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import platform
 import resource
 import shutil
 from dataclasses import dataclass
@@ -42,6 +44,10 @@ class RunArgs:
     html_groups: int = 4
     """groups on that page: the step's last ones (the most off-policy mini-batch when there are several)"""
     # memory
+    malloc_mmap_threshold: int = 4 * 2**20
+    """on a CPU with glibc: allocations above this many bytes are mapped on their own and handed back to the system
+    when freed, so resident memory follows what the tensors hold (0: glibc's default, a threshold that rises to 32 MiB,
+    under which freed tensors stay in a heap that fragments; MALLOC_MMAP_THRESHOLD_ set in the environment wins)"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute each decoder layer in the backward pass instead of keeping its activations (auto: on for any model
     but the embedded one; benchmarks/memory.py has what it saves and costs)"""
@@ -137,8 +143,9 @@ def save_model(accelerator, model, tokenizer, path):
         tokenizer.save_pretrained(path)
 
 
+# flags that do not change what a run computes, or are in its name already
 UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track", "wandb_project",
-                 "log_completions_every", "html_every", "html_groups", "self_check")  # flags that do not change what a run computes, or are in its name already
+                 "log_completions_every", "html_every", "html_groups", "self_check", "malloc_mmap_threshold")
 
 
 def run_name(script, args, exp_name, model, task, seed):
@@ -168,6 +175,17 @@ def find_checkpoint(run_dir):
         if os.path.exists(os.path.join(run_dir, name, "step.json")):
             return os.path.join(run_dir, name)
     return None
+
+
+def set_mmap_threshold(threshold):
+    """Fix glibc's mmap threshold at `threshold` bytes (--malloc_mmap_threshold; 0 leaves glibc's default). By default
+    glibc raises the threshold each time a mapped block is freed, up to 32 MiB, and from then on serves tensors below it
+    from its heap, which keeps what they free and fragments as tensors of other sizes come and go: on the README's
+    SmolLM2 run resident memory ended ~0.8 GiB above a fixed 4 MiB threshold's, for ~1.04x the step time
+    (benchmarks/run_memory.py). Nothing is computed differently. A no-op where glibc's malloc is not the allocator's
+    settings (MALLOC_MMAP_THRESHOLD_ set, another C library)."""
+    if threshold > 0 and "MALLOC_MMAP_THRESHOLD_" not in os.environ and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also ends the dynamic rise
 
 
 def quiet_libraries():
