@@ -202,7 +202,7 @@ def start_run(args):
     from accelerate.utils import set_seed
 
     torch.set_num_threads(args.run.threads)
-    set_mmap_threshold(args.run.malloc_mmap_threshold)  # glibc hands what tensors free back to the system
+    set_mmap_threshold(args.run.malloc_mmap_threshold)  # if > 0, glibc hands what tensors free back to the system
     quiet_libraries()
     accelerator = make_accelerator()  # bf16 on a GPU; DDP or FSDP2 (configs/) over GPUs or CPU processes
     script = os.path.splitext(os.path.basename(__file__))[0]

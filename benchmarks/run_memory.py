@@ -1,5 +1,5 @@
 """Peak resident memory of a real run on the CPU: full fine-tuning against LoRA, under glibc's allocator as it comes,
-with a fixed mmap threshold (grpo.py's default: 4 MiB), and under jemalloc and tcmalloc.
+with a fixed mmap threshold (--malloc_mmap_threshold), and under jemalloc and tcmalloc.
 
     python benchmarks/run_memory.py                     # the README's SmolLM2-135M run, 3 steps each
     python benchmarks/run_memory.py --ranks 0 1 64 --allocators glibc mmap_threshold=4194304 jemalloc tcmalloc
@@ -8,12 +8,12 @@ with a fixed mmap threshold (grpo.py's default: 4 MiB), and under jemalloc and t
 Each configuration (--lora_rank R for R in --ranks, 0 being full fine-tuning; LoRA with --learning_rate 1e-4, 10x the
 README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (or the flags after --, instead) for
 --steps steps (no evaluation; its weights are deleted once it finished) once under each of --allocators:
-- glibc: glibc's default (--malloc_mmap_threshold 0). Its mmap threshold is dynamic and rises up to 32 MiB, so the
-  freed blocks of tensors below it stay in the process's heap for reuse, and the heap fragments as tensors of other
-  sizes come and go;
-- mmap_threshold=N: --malloc_mmap_threshold N (set with mallopt at the run's start; 4194304 is the default): every
-  allocation above N bytes is mapped on its own and unmapped when freed, so resident memory follows what the tensors
-  hold, and each large tensor's pages are faulted in afresh;
+- glibc: glibc's default (--malloc_mmap_threshold 0, grpo.py's default). Its mmap threshold is dynamic and rises up
+  to 32 MiB, so the freed blocks of tensors below it stay in the process's heap for reuse, and the heap fragments as
+  tensors of other sizes come and go;
+- mmap_threshold=N: --malloc_mmap_threshold N (set with mallopt at the run's start): every allocation above N bytes
+  is mapped on its own and unmapped when freed, so resident memory follows what the tensors hold, and each large
+  tensor's pages are faulted in afresh;
 - jemalloc, tcmalloc: the library preloaded (LD_PRELOAD=libjemalloc.so.2, libtcmalloc_minimal.so.4; Debian's
   libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start (with --malloc_mmap_threshold 0,
   which only sets glibc's malloc).
@@ -108,8 +108,7 @@ def largest_difference(run, baseline):
 def describe(allocator):
     if allocator.startswith("mmap_threshold="):
         threshold = int(allocator.split("=", 1)[1])
-        return f"glibc, mmap threshold {threshold / 2**20:g} MiB" + (" (grpo.py's default)" if threshold == 4 << 20
-                                                                      else "")
+        return f"glibc, mmap threshold {threshold / 2**20:g} MiB"
     return "glibc default" if allocator == "glibc" else f"{allocator} (LD_PRELOAD)"
 
 

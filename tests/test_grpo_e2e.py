@@ -59,7 +59,7 @@ def test_run_names_two_commands_never_share_a_folder():
               name(model="smollm2-135m", task="rg:chain_sum:min_terms=2,max_terms=4", learning_rate=1e-5)}
     assert len(others) == 6 and "grpo__1" not in others
     assert name(beta=0.0) == name(beta=0.0, threads=2, output_dir="elsewhere", resume=True,  # --resume finds it
-                                  malloc_mmap_threshold=0)
+                                  malloc_mmap_threshold=4 << 20)
     assert name(beta=0.0, exp_name="mine") == "mine__1"
 
 

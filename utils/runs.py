@@ -44,10 +44,12 @@ class RunArgs:
     html_groups: int = 4
     """groups on that page: the step's last ones (the most off-policy mini-batch when there are several)"""
     # memory
-    malloc_mmap_threshold: int = 4 * 2**20
-    """on a CPU with glibc: allocations above this many bytes are mapped on their own and handed back to the system
-    when freed, so resident memory follows what the tensors hold (0: glibc's default, a threshold that rises to 32 MiB,
-    under which freed tensors stay in a heap that fragments; MALLOC_MMAP_THRESHOLD_ set in the environment wins)"""
+    malloc_mmap_threshold: int = 0
+    """N > 0, on a CPU with glibc: allocations above N bytes are mapped on their own and handed back to the system
+    when freed, so resident memory follows what the tensors hold, at the cost of faulting their pages in afresh
+    (4194304 on the README's SmolLM2 run: 0.8 GiB less, 1.04-1.23x the step time); 0: glibc's default, a threshold
+    that rises to 32 MiB, under which freed tensors stay in a heap that fragments (MALLOC_MMAP_THRESHOLD_ in the
+    environment wins)"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute each decoder layer in the backward pass instead of keeping its activations (auto: on for any model
     but the embedded one; benchmarks/memory.py has what it saves and costs)"""
@@ -180,10 +182,11 @@ def find_checkpoint(run_dir):
 def set_mmap_threshold(threshold):
     """Fix glibc's mmap threshold at `threshold` bytes (--malloc_mmap_threshold; 0 leaves glibc's default). By default
     glibc raises the threshold each time a mapped block is freed, up to 32 MiB, and from then on serves tensors below it
-    from its heap, which keeps what they free and fragments as tensors of other sizes come and go: on the README's
-    SmolLM2 run resident memory ended ~0.8 GiB above a fixed 4 MiB threshold's, for ~1.04x the step time
-    (benchmarks/run_memory.py). Nothing is computed differently. A no-op where glibc's malloc is not the allocator's
-    settings (MALLOC_MMAP_THRESHOLD_ set, another C library)."""
+    from its heap, which keeps what they free and fragments as tensors of other sizes come and go. Fixed at 4 MiB, the
+    README's SmolLM2 run peaked at 4.09-4.20 GiB resident against 4.97-5.05 GiB, at 1.04-1.23x the step time, since
+    every large tensor's pages are faulted in afresh (benchmarks/run_memory.py); nothing is computed differently. A
+    no-op where the setting is not ours to make: MALLOC_MMAP_THRESHOLD_ set in the environment, a C library other
+    than glibc."""
     if threshold > 0 and "MALLOC_MMAP_THRESHOLD_" not in os.environ and platform.libc_ver()[0] == "glibc":
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also ends the dynamic rise
 
