@@ -18,7 +18,7 @@ README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (o
   libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start (with --malloc_mmap_threshold 0,
   which only sets glibc's malloc).
 The peak is the training process's `memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the
-step time is the median of the steps after the first; an allocator must not change what is computed, so each run's
+step time is the median of the steps after the first (the .jsonl holds the rollout's and the training phase's too); an allocator must not change what is computed, so each run's
 step metrics (reward, completion length, losses, gradient norm) are compared with glibc default's, step by step.
 Ratios are against full fine-tuning under the same allocator and against glibc's default for the same training,
 measured in the same invocation; a rank's allocators are started together (--jobs as many as --allocators) so that
@@ -94,8 +94,9 @@ def one_run(rank, allocator, steps, threads, out_dir, flags, reuse=False):
         with open(done, "w") as f:
             json.dump(this, f)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {"rank": rank, "allocator": allocator, "reused": reused, "rss_gb": rows[-1]["memory/rss_gb_max"],
-            "step_s": statistics.median(r["time/step"] for r in rows[1:]),
+    phases = ("step", "rollout", "train")
+    medians = {f"{phase}_s": statistics.median(r[f"time/{phase}"] for r in rows[1:]) for phase in phases}
+    return {"rank": rank, "allocator": allocator, "reused": reused, "rss_gb": rows[-1]["memory/rss_gb_max"], **medians,
             "metrics": [{key: r[key] for key in SAME_KEYS if key in r} for r in rows]}
 
 
@@ -140,13 +141,14 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)
-    load = os.getloadavg()[1]
+    reused = sum(r["reused"] for r in results)
+    load = (f"load average over the last 5 minutes at the end: {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores"
+            if reused < len(results) else f"{os.cpu_count()} cores")  # read back: the load they ran under is unknown
     described = "the README's SmolLM2 flags" if flags == README_RUN else " ".join(flags)
     lines = [f"`python benchmarks/run_memory.py {' '.join(sys.argv[1:])}` (grpo.py, {described}, "
-             f"{args.steps} steps, {args.threads} thread(s) per run, {args.jobs} run(s) at a time; load average over "
-             f"the last 5 minutes at the end: {load:.1f} on {os.cpu_count()} cores"
-             + (f"; {sum(r['reused'] for r in results)} of {len(results)} runs read back from an earlier invocation"
-                if args.reuse else "") + ")", "",
+             f"{args.steps} steps, {args.threads} thread(s) per run, {args.jobs} run(s) at a time; {load}"
+             + (f"; {reused} of {len(results)} runs read back from an earlier invocation" if args.reuse else "")
+             + ")", "",
              "| training | allocator | peak RSS GiB | peak RSS / full | median step s | step time / full | "
              "step time / glibc default's | step metrics, max abs difference from glibc default's |",
              "|---|---|---|---|---|---|---|---|"]

@@ -137,6 +137,8 @@ def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_p
     assert rows[0][3] == rows[1][3] == rows[0][6] == rows[2][6] == "1.00" and all(float(row[2]) > 0 for row in rows)
     # the allocator changes where tensors live, not what is computed (torch aligns every buffer to 64 bytes either way)
     assert all(float(row[7]) <= 1e-6 for row in rows)
+    runs = [json.loads(line) for line in open(tmp_path / "toy_memory.jsonl")]
+    assert all(0 < run["rollout_s"] < run["step_s"] and 0 < run["train_s"] < run["step_s"] for run in runs)
     assert len(list((tmp_path / "runs" / "toy_memory").glob("*/metrics.jsonl"))) == 4
     assert not list((tmp_path / "runs" / "toy_memory").glob("*/*/model.safetensors"))  # the weights dropped
     reread = run_script(command[:1] + ["--reuse"] + command[1:])  # the finished runs, read back: the same table
