@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 from utils.batch import make_batch  # noqa: E402
 from utils.hf_engine import HFDecoder  # noqa: E402
-from utils.logprobs import CHUNK_TOKENS, _ChunkedHead, _HiddenStates, causal_lm  # noqa: E402
+from utils.logprobs import chunked_output_layer  # noqa: E402
 from utils.runs import RunArgs  # noqa: E402
 from utils.tasks import toy_problems  # noqa: E402
 
@@ -58,7 +58,7 @@ def logprobs_prompt_shared(model, batch, temperature, with_entropy=False):
                                 use_cache=True).logits)
         return torch.cat(hidden, dim=1)
 
-    return chunked_head(model, forward, completion, temperature, with_entropy)
+    return chunked_output_layer(model, forward, completion, temperature, with_entropy)
 
 
 def logprobs_unmasked(model, batch, temperature, with_entropy=False):
@@ -66,27 +66,9 @@ def logprobs_unmasked(model, batch, temperature, with_entropy=False):
     read; the toy's prompts are never left-padded) and without the last token as an input."""
     assert bool(batch.attention_mask[:, 0].all()), "a left-padded prompt needs the mask"
     completion = batch.input_ids[:, batch.prompt_width:]
-    return chunked_head(model, lambda: model(input_ids=batch.input_ids[:, :-1], logits_to_keep=completion.shape[1])
-                        .logits, completion, temperature, with_entropy)
-
-
-def chunked_head(model, forward, completion, temperature, with_entropy):
-    """(log pi(token), entropy or None), (B, T), as utils.logprobs.token_logprobs computes them: forward() runs the
-    model with its output layer swapped for one that returns the hidden states (B, T, H) at the completion's
-    positions, and the output layer is then applied CHUNK_TOKENS positions at a time, so that a variant differs from
-    grpo.py's default in its forward passes only."""
-    lm = causal_lm(model)
-    head, capture = lm.lm_head, _HiddenStates(completion.device.type)
-    lm.lm_head = capture
-    try:
-        hidden = forward()
-    finally:
-        lm.lm_head = head
-    B, T, H = hidden.shape
-    bias = head.bias if getattr(head, "bias", None) is not None else None
-    logp, entropy = _ChunkedHead.apply(hidden.reshape(B * T, H), head.weight, bias, completion.reshape(-1),
-                                       temperature, capture.dtype, CHUNK_TOKENS, with_entropy)
-    return logp.view(B, T), entropy.view(B, T) if with_entropy else None
+    return chunked_output_layer(model, lambda: model(input_ids=batch.input_ids[:, :-1],
+                                                     logits_to_keep=completion.shape[1]).logits,
+                                completion, temperature, with_entropy)
 
 
 def main():

@@ -25,16 +25,27 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
     """log pi(token) at every completion position (B, T) of [left-padded prompt (P = prompt_width) | completion (T)]
     rows, from logits divided by the temperature, with gradient when grad mode is on; and each position's entropy
     (B, T) without gradient when with_entropy (else None)."""
-    lm = causal_lm(model)
-    if getattr(lm.config, "final_logit_softcapping", None):  # (Gemma 2) a softcap the chunks do not apply
+    if getattr(causal_lm(model).config, "final_logit_softcapping", None):  # (Gemma 2) a softcap the chunks do not apply
         return full_vocabulary_logprobs(model, input_ids, attention_mask, prompt_width, temperature, with_entropy)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion = input_ids[:, prompt_width:]
-    head, capture = lm.lm_head, _HiddenStates(input_ids.device.type)
+
+    def forward():  # the positions before each completion token: the last one predicts past the completion
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+
+    return chunked_output_layer(model, forward, completion, temperature, with_entropy, chunk_tokens)
+
+
+def chunked_output_layer(model, forward, completion, temperature, with_entropy=False, chunk_tokens=CHUNK_TOKENS):
+    """token_logprobs' results for the completion tokens (B, T), from forward(): a call of the model whose result's
+    .logits are, while it runs, the output layer's input at the T positions that predict them (B, T, H): the output
+    layer is swapped for one that hands back its input, then applied chunk_tokens positions at a time."""
+    lm = causal_lm(model)
+    head, capture = lm.lm_head, _HiddenStates(completion.device.type)
     lm.lm_head = capture  # the model's forward returns the hidden states where it would return logits
     try:
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+        hidden = forward()
     finally:
         lm.lm_head = head
     B, T, H = hidden.shape
