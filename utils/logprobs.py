@@ -30,7 +30,7 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     completion = input_ids[:, prompt_width:]
 
-    def forward():  # the positions before each completion token: the last one predicts past the completion
+    def forward():  # from the last prompt position on; the last position, which predicts past the completion, goes
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
 
@@ -38,9 +38,10 @@ def token_logprobs(model, input_ids, attention_mask, prompt_width, temperature, 
 
 
 def chunked_output_layer(model, forward, completion, temperature, with_entropy=False, chunk_tokens=CHUNK_TOKENS):
-    """token_logprobs' results for the completion tokens (B, T), from forward(): a call of the model whose result's
-    .logits are, while it runs, the output layer's input at the T positions that predict them (B, T, H): the output
-    layer is swapped for one that hands back its input, then applied chunk_tokens positions at a time."""
+    """(log pi(token), entropy or None), (B, T), of the completion tokens (B, T), as token_logprobs defines them.
+    forward() calls the model; while it runs the output layer is swapped for one that hands back its input, so its
+    .logits are the hidden states (B, T, H) at the positions that predict the completion. The output layer is then
+    applied to them chunk_tokens positions at a time."""
     lm = causal_lm(model)
     head, capture = lm.lm_head, _HiddenStates(completion.device.type)
     lm.lm_head = capture  # the model's forward returns the hidden states where it would return logits
