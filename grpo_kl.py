@@ -24,34 +24,31 @@ What `diff grpo.py grpo_kl.py` shows: --kl_estimator and kl_term in the loss; fo
 the update, the KL subtracted from the rewards, and its metric.
 """
 
+import dataclasses
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import numpy as np
 import torch
 import tyro
+from torch.utils.checkpoint import checkpoint
 
-from utils.batch import make_batch, micro_batches
-from utils.checks import (check_batch_layout, check_fraction, check_lengths, check_model_and_task, check_positive,
-                          check_run_args, largest_divisor)
-from utils.engine import create_engine
-from utils.evaluation import pass_rates
-from utils.hf_engine import HFDecoder, Sample
-from utils.logprobs import token_logprobs as chunked_token_logprobs
-from utils.lora import AdaptersOff
-from utils.memory import memory_line, trainer_memory
-from utils.models import for_training, load_tokenizer, resolve_model
-from utils.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
-from utils.rewards import RewardScorer, default_reward_workers
+from plumbing.engine import HFDecoder, Sample, create_engine
+from plumbing.evaluation import pass_rates
+from plumbing.memory import memory_line, trainer_memory
+from plumbing.models import for_training, load_tokenizer, resolve_model
+from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
+from plumbing.rollout_page import write_rollout_page
+from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_lengths, check_logprob_gap,
+                          check_model_and_task, check_positive, check_run_args, close_metrics, largest_divisor,
+                          load_checkpoint, log_step, open_metrics, quiet_libraries, resume_checkpoint, run_name,
+                          save_checkpoint, save_model, set_mmap_threshold, step_metrics, write_eval_only)
+from plumbing.selfcheck import self_check
+from utils.rewards import RewardScorer
 from utils.rl import engine_is_weights, group_zscore, kl_k1, kl_k2, kl_k3
-from utils.rollout_page import token_recorder
-from utils.runs import (RunArgs, StepStats, check_logprob_gap, close_metrics, load_checkpoint, log_step, open_metrics,
-                        quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model, set_mmap_threshold,
-                        step_metrics, write_eval_only)
-from utils.selfcheck import self_check
 from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
 
 
@@ -80,7 +77,8 @@ class Args:
     instruction: Literal["system", "user"] = "system"
     """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
     format_reward_weight: float = 0.1
-    """reward = accuracy + weight * format (one answer in the asked-for form, nothing after it)"""
+    """reward = accuracy + weight * format (one answer in the asked-for form: at most 49 characters after a box, none
+    after answer tags)"""
     max_prompt_length: int = 512
     """prompts longer than this (tokens) are dropped at load time, with a count"""
     max_new_tokens: Optional[int] = None
@@ -209,17 +207,35 @@ def resolve_args(args, num_processes):
     return args
 
 
+def run_folder(args):
+    """<output_dir>/<the run's name>: named after the script and the flags that differ from the defaults, so the same
+    command finds its folder again (--resume)."""
+    script = os.path.splitext(os.path.basename(__file__))[0]
+    return os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
+
+
+class Setup(NamedTuple):
+    """What start_run sets up for main()."""
+    accelerator: object  # the processes and their devices (accelerate)
+    args: Args  # checked, with the model-dependent defaults resolved
+    run_dir: str  # the run's folder: metrics.jsonl, checkpoint/, final/
+    checkpoint: Optional[str]  # the checkpoint --resume continues; None: a new run
+    tokenizer: object
+    stop_ids: list  # token ids that end a completion
+    train_rows: list  # the task's problems: dicts with "prompt" (the chat-formatted text), "question", "answer"
+    test_rows: list
+
+
 def start_run(args):
-    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume (None: a new run), the
-    tokenizer and its stop tokens, the train and test rows; bad input is a one-line error before any model loads."""
+    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume, the tokenizer and the
+    task's rows (a Setup); bad input is a one-line error before any model loads."""
     from accelerate.utils import set_seed
 
     torch.set_num_threads(args.run.threads)
     set_mmap_threshold(args.run.malloc_mmap_threshold)  # if > 0, glibc hands what tensors free back to the system
     quiet_libraries()
     accelerator = make_accelerator()  # bf16 on a GPU; DDP or FSDP2 (configs/) over GPUs or CPU processes
-    script = os.path.splitext(os.path.basename(__file__))[0]
-    run_dir = os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
+    run_dir = run_folder(args)
     try:
         args = resolve_args(args, accelerator.num_processes)
         check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)  # reads the model's config
@@ -233,7 +249,7 @@ def start_run(args):
         raise SystemExit(f"error: {e}") from None
     accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
     set_seed(args.seed, device_specific=True)
-    return accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows
+    return Setup(accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows)
 
 
 # ---- Model ----------------------------------------------------------------------------------------------------------
@@ -259,33 +275,124 @@ def load_models(args, tokenizer, accelerator, with_reference):
     model, optimizer = accelerator.prepare(model, optimizer)
     model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
     ref_model = None
-    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed;
-        # with LoRA the policy itself with its adapters switched off
-        ref_model = AdaptersOff(model, accelerator.unwrap_model(model)) if args.run.lora_rank else (
-            prepare_reference(accelerator, load_model(args.model, tokenizer)))
+    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed
+        ref_model = prepare_reference(accelerator, model, lambda: load_model(args.model, tokenizer))  # (with LoRA:
+        # the policy itself, its adapters switched off)
     return model, optimizer, ref_model
+
+
+# ---- Rollout batch --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """B completions as the trainer sees them: row i is [prompt i, left-padded to P positions | completion i,
+    right-padded to T]. Example (P = 3, T = 4, pad 0): prompt [5, 6] with completion [7, 8, eos] is the row
+    input_ids [0, 5, 6, 7, 8, eos, 0], attention_mask [0, 1, 1, 1, 1, 1, 0], mask [1, 1, 1, 0]. Every tensor field is
+    cut by rows (select), the (B, T) ones with the completions."""
+    input_ids: torch.Tensor  # (B, P + T) token ids, pad outside the attention mask
+    attention_mask: torch.Tensor  # (B, P + T) 1 on real tokens
+    prompt_width: int  # P
+    mask: torch.Tensor  # (B, T) float, 1 on the completion's tokens: the ones the loss trains on
+    engine_logp: torch.Tensor  # (B, T) the engine's log-prob of each sampled token (0 on padding)
+    advantages: Optional[torch.Tensor] = None  # (B, T) per token (GRPO: the completion's advantage on each token)
+    old_logp: Optional[torch.Tensor] = None  # (B, T) pi_old, when the trainer computes it before the update (mu > 1)
+    ref_logp: Optional[torch.Tensor] = None  # (B, T) pi_ref, when there is a KL term
+
+    def __len__(self):
+        return len(self.mask)
+
+    def select(self, rows, width=None):
+        """The rows `rows` (an index tensor), with completions cut to their first `width` positions."""
+        width = self.mask.shape[1] if width is None else width
+        cut = {"input_ids": self.prompt_width + width, "attention_mask": self.prompt_width + width}
+        return dataclasses.replace(self, **{f.name: value[rows][:, :cut.get(f.name, width)] if value.dim() == 2 else
+                                            value[rows] for f in dataclasses.fields(self)
+                                            if torch.is_tensor(value := getattr(self, f.name))})
+
+
+def make_batch(prompts, samples, pad_id, device):
+    """Prompt token-id lists and the engine's Samples (one prompt per sample) -> a Batch."""
+    prompt_width = max(len(p) for p in prompts)
+    width = max(len(sample.token_ids) for sample in samples)
+    ids, attention, mask, engine_logp = [], [], [], []
+    for prompt, sample in zip(prompts, samples):
+        left, right = prompt_width - len(prompt), width - len(sample.token_ids)
+        ids.append([pad_id] * left + prompt + sample.token_ids + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(prompt) + len(sample.token_ids)) + [0] * right)
+        mask.append([1] * len(sample.token_ids) + [0] * right)
+        engine_logp.append((sample.logprobs or [0.0] * len(sample.token_ids)) + [0.0] * right)
+    return Batch(torch.tensor(ids, device=device), torch.tensor(attention, device=device), prompt_width,
+                 torch.tensor(mask, dtype=torch.float32, device=device),
+                 torch.tensor(engine_logp, dtype=torch.float32, device=device))
+
+
+def micro_batches(batch, size):
+    """Yield (rows, micro-batch): `batch` cut into micro-batches of `size` rows of similar completion lengths (the rows
+    are reordered), each cut to its own longest completion, so that no pass pads a 10-token completion to the batch's
+    48 (about half of the trainer's compute on the toy). Which rows share a micro-batch does not change the summed
+    gradient. A completion's length is its last trained token's position + 1 (grpo_tools.py masks tool output)."""
+    positions = torch.arange(1, batch.mask.shape[1] + 1, device=batch.mask.device, dtype=batch.mask.dtype)
+    lengths, order = torch.sort((batch.mask * positions).amax(-1), stable=True)
+    widths = lengths[size - 1::size].tolist() + lengths[-1:].tolist()  # one host sync
+    for rows, width in zip(order.split(size), widths):
+        yield rows, batch.select(rows, max(1, int(width)))  # >= 1: dapo.py's filtering can mask whole rows
 
 
 # ---- Token log-probs ------------------------------------------------------------------------------------------------
 
 
-def token_logprobs(model, batch, temperature, with_entropy=False):
-    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature; and the
-    entropy of each position's distribution (B, T) with_entropy (else None). The output layer is applied a chunk of
-    positions at a time and recomputed in the backward pass (utils/logprobs.py): no (B, T, vocabulary) float32 tensor
-    exists, whatever the completion length."""
-    return chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, temperature,
-                                  with_entropy)
+CHUNK_BYTES = 2**28  # a chunk's float32 logits: 256 MiB (441 positions of Qwen's 151,936-token vocabulary)
+
+
+def token_logprobs(model, batch, temperature, accelerator, with_entropy=False):
+    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature, with
+    gradient when grad mode is on; and each position's entropy, (B, T) without gradient, when with_entropy (else
+    None). The model's own call (its wrappers run: DDP, FSDP2, LoRA, checkpointing) gives the last hidden states h,
+    (B, P + T, H); h at position P + t - 1 predicts completion token t."""
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts: each row counts from 0
+    hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                   output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # (the logits of one position)
+    return output_logprobs(model, hidden[:, batch.prompt_width - 1:-1], batch.input_ids[:, batch.prompt_width:],
+                           temperature, accelerator, with_entropy)
+
+
+def output_logprobs(model, hidden, tokens, temperature, accelerator, with_entropy=False):
+    """log pi(tokens), (B, T), and their entropies (or None) from the hidden states (B, T, H) that predict them. The
+    output layer W turns a chunk of positions at a time (as many as CHUNK_BYTES of float32 logits hold) into logits
+    z = W h / temperature, under torch.utils.checkpoint: a chunk's (positions, V) logits exist while it is computed,
+    and again in the backward pass; the batch's (B, T, V) never do (10 GB at B x T = 16K and Qwen's V = 151,936)."""
+    inner = getattr(model, "module", model)  # DDP holds the model in .module
+    head, softcap = inner.get_output_embeddings(), getattr(inner.config, "final_logit_softcapping", None)
+
+    def chunk(h, t):  # (n, H), (n,) -> log pi(t) (n,), entropy (n,) or None
+        with accelerator.autocast():  # the output layer's matmul in the dtype the model's own runs in (bf16 on a GPU);
+            # its weight, not the module: under FSDP2 a second call would run the module's sharding hooks again
+            z = torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+        if softcap:  # Gemma 2 caps its logits: cap tanh(z / cap)
+            z = softcap * torch.tanh(z / softcap)
+        logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (x / 1.0 is x: skipped)
+        logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
+        if not with_entropy:
+            return logp, None
+        with torch.no_grad():  # sum_v p_v (logsumexp(z) - z_v): accurate in float32 even when one p_v is near 1
+            return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+    (B, T, H), size = hidden.shape, max(1, CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
+    chunks = [checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, t) for h, t in
+              zip(hidden.reshape(B * T, H).split(size), tokens.reshape(B * T).split(size))]
+    logp = torch.cat([logp for logp, _ in chunks]).view(B, T)
+    return logp, torch.cat([entropy for _, entropy in chunks]).view(B, T) if with_entropy else None
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, minibatch_size, micro_batch_size):
+def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, micro_batch_size):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
     over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit."""
     logp = torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
-            micro_logp, _ = token_logprobs(model, micro, temperature)
+            micro_logp, _ = token_logprobs(model, micro, temperature, accelerator)
             logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
     return logp
 
@@ -328,9 +435,12 @@ def sleep_engine(engine):
 
 
 def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
-    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights).
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights),
+    each prompt's n together. A Sample is (token_ids: the completion's tokens, its stop token included when it has one;
+    logprobs: the engine's log-prob of each under the distribution it was drawn from, softmax(logits / temperature)
+    within the top-p nucleus, or None when greedy; truncated: it ran out of new tokens before a stop token).
     policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
-    if engine.llm is None:
+    if engine.llm is None:  # the HF decode loop (no vLLM, --engine hf): the policy's own forward with a KV cache
         return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
                                                    accelerator), 0.0
     from vllm import SamplingParams
@@ -349,7 +459,7 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
     """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate over every process's share of the
-    test rows (utils/evaluation.py), each process sampling its share through generate(), as the rollouts do."""
+    test rows (plumbing/evaluation.py), each process sampling its share through generate(), as the rollouts do."""
 
     def sample_texts(prompts, n, temperature, top_p):
         samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
@@ -360,16 +470,43 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
     return pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, 64 if engine.llm is None else None)
 
 
+# ---- Step statistics ------------------------------------------------------------------------------------------------
+
+
+class StepStats:
+    """A step's training statistics, kept by how processes combine them at the step's end (step_metrics: one
+    reduction, one host sync). add(): shares of a mean over every process, already divided by the global count, so the
+    shares add up to it (a clip fraction: clipped tokens / the mini-batch's tokens over all processes). mean(): one
+    value per process, averaged over processes (a gradient norm: the same on every process). max(): maxima."""
+
+    def __init__(self):
+        self.sums, self.means, self.maxes = {}, {}, {}
+
+    def add(self, values, scale=1.0):
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * scale
+
+    def mean(self, values, scale=1.0):
+        for key, value in values.items():
+            self.means[key] = self.means.get(key, 0.0) + value * scale
+
+    def max(self, values):
+        for key, value in values.items():
+            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
+
+
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
-def update_policy(args, model, optimizer, batch, accelerator, page=None):
-    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> the step's StepStats. pi_old is
+def update_policy(args, model, optimizer, batch, accelerator):
+    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> (the step's StepStats, the last
+    epoch's loss inputs: per micro-batch, a dict of its batch rows and what compute_loss took). pi_old is
     batch.old_logp when the loop computed it (mu > 1), else this pass's own detached log-probs (the policy has not moved
     since the rollout: a forward pass saved, as verl and TRL do); the first mini-batch comes in the rollout's order, so
     its ratio is exactly 1. Normalizers count the mini-batch over its micro-batches and processes. A non-finite
     gradient norm raises FloatingPointError before the optimizer step: NaN never reaches the weights."""
-    stats, size, mu = StepStats(), len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
+    stats, last_epoch = StepStats(), []
+    size, mu = len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
     batch_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
     for epoch in range(args.num_epochs):
         order = torch.arange(len(batch)) if epoch == 0 else torch.randperm(len(batch))
@@ -380,7 +517,7 @@ def update_policy(args, model, optimizer, batch, accelerator, page=None):
             micro = list(micro_batches(minibatch, args.micro_batch_size))
             for j, (micro_rows, mc) in enumerate(micro):
                 with gradient_sync(accelerator, model, last_micro_batch=j == len(micro) - 1):  # DDP: in the last only
-                    logp, entropy = token_logprobs(model, mc, args.temperature, with_entropy=True)
+                    logp, entropy = token_logprobs(model, mc, args.temperature, accelerator, with_entropy=True)
                     old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
                     advantages = mc.advantages
                     if args.tis_cap > 0:  # ---- engine/trainer mismatch: the policy gradient weighted by a bounded
@@ -390,10 +527,10 @@ def update_policy(args, model, optimizer, batch, accelerator, page=None):
                         stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
                     loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
                                                       (num_seqs, num_tokens), args)
-                    if page is not None and epoch == args.num_epochs - 1:  # --html_every: what the loss saw
-                        page.record(rows[micro_rows], mc, logp, entropy, old_logp, advantages, compute_loss,
-                                    (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                if epoch == args.num_epochs - 1:  # what the loss took (--html_every draws it)
+                    last_epoch.append(dict(rows=rows[micro_rows], logp=logp.detach(), entropy=entropy,
+                                           old_logp=old_logp, advantages=advantages, counts=(num_seqs, num_tokens)))
                 m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
                 stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
                           1 / mu)
@@ -411,7 +548,7 @@ def update_policy(args, model, optimizer, batch, accelerator, page=None):
             stats.mean({"policy/grad_norm": grad_norm}, 1 / mu)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return stats
+    return stats, last_epoch
 
 
 # ---- Training loop --------------------------------------------------------------------------------------------------
@@ -424,25 +561,26 @@ CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", 
 def main(args):
     from tqdm import tqdm
 
-    if args.run.self_check:  # this configuration for a few steps in a temporary folder, checked (utils/selfcheck.py)
-        raise SystemExit(self_check(__file__, args, sys.argv[1:], resolve_args))
-    accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows = start_run(args)
-    scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers or default_reward_workers(),
-                          args.run.reward_timeout, args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
+    if args.run.self_check:  # this configuration for a few steps in a temporary folder, checked through its outputs
+        raise SystemExit(self_check(__file__, sys.argv[1:], run_folder(args)))
+    setup = start_run(args)
+    accelerator, args, tokenizer, run_dir = setup.accelerator, setup.args, setup.tokenizer, setup.run_dir
+    scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers, args.run.reward_timeout,
+                          args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
     model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
     engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
-                           args.max_prompt_length + args.max_new_tokens, stop_ids)
+                           args.max_prompt_length + args.max_new_tokens, setup.stop_ids)
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
                                                  args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
                                   args.run.vllm_gpu_memory_utilization if engine.asleep else None))
     if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
-        result = evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, policy_version=0)
+        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, policy_version=0)
         write_eval_only(accelerator, run_dir, args.model, result)
         return scorer.close()
-    start_step = load_checkpoint(accelerator, checkpoint) if checkpoint else 1
+    start_step = load_checkpoint(accelerator, setup.checkpoint) if setup.checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    local_prompts = args.prompts_per_step // world
+    local_prompts, train_rows = args.prompts_per_step // world, setup.train_rows
     minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's own pass follows
     for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
                      disable=not accelerator.is_main_process, dynamic_ncols=True):
@@ -461,9 +599,10 @@ def main(args):
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         kl_in_reward = ref_model is not None and args.kl_estimator == "k1_reward"  # it needs pi_old before the update
         if args.num_epochs * args.num_minibatches > 1 or kl_in_reward:  # or the policy moves before pi_old's last use
-            batch.old_logp = batched_logprobs(model, batch, args.temperature, minibatch_size, args.micro_batch_size)
+            batch.old_logp = batched_logprobs(model, batch, args.temperature, accelerator, minibatch_size,
+                                              args.micro_batch_size)
         if ref_model is not None:
-            batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, minibatch_size,
+            batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, accelerator, minibatch_size,
                                               args.micro_batch_size)
         accuracy, formats, failures = scorer.result(scoring)  # failures: answers that could not be checked, by kind
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
@@ -475,16 +614,12 @@ def main(args):
         advantages = compute_advantages(all_rewards, args).view(world, -1)[rank]
         batch.advantages = advantages[:, None] * batch.mask  # A_i on each token of completion i, (B, T)
         # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
-        page = token_recorder(args.run, step, len(batch), G, accelerator.is_main_process)  # --html_every
         try:
-            stats = update_policy(args, model, optimizer, batch, accelerator, page)
+            stats, last_epoch = update_policy(args, model, optimizer, batch, accelerator)
         except FloatingPointError as e:
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        if page is not None:
-            page.write(run_dir, step, tokenizer, [r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy,
-                       "format": formats, "reward": rewards}, [sample.truncated for sample in samples], G)
         metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, failures, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})
@@ -494,12 +629,18 @@ def main(args):
                 batch.mask.sum(), reduction="sum").clamp(min=1)).item()
         if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
             start = time.time()
-            metrics.update(evaluate(args, engine, model, tokenizer, scorer, test_rows, accelerator, step))
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, step))
             metrics["time/eval"] = time.time() - start
         if accelerator.is_main_process:
             log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
                 (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
                 for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
+            if args.run.html_every and step % args.run.html_every == 0:  # each token coloured by its weight in the loss
+                write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, {
+                    "weight": lambda *inputs: compute_loss(*inputs, args),
+                    "pg_weight": lambda *inputs: compute_loss(*inputs, dataclasses.replace(args, beta=0.0))}, [
+                    r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy, "format": formats,
+                    "reward": rewards}, [sample.truncated for sample in samples], G, args.run.html_groups)
         check_logprob_gap(metrics, args.run, tqdm.write, run_dir)  # an engine on stale weights stops the run here
         if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)

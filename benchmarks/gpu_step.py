@@ -1,10 +1,10 @@
 """GRPO steps at a real model's shape: per-phase times, peak memory, what the vLLM engine's sleep frees, and the
-engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (utils/hf_engine.py's
-decode loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from utils/engine.py).
+engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (plumbing/engine.py's
+decode loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from plumbing/engine.py).
 
 The steps cycle through the vLLM sleep levels (--sleep_levels: 2 drops the weights, 1 keeps them in CPU memory) and
 then the betas (--betas: 0 skips the reference pass); each step reports its phases' times and CUDA peaks (rollout,
-reference, train). The trainer's peak is set against the estimate the runs print at start (utils/memory.py). The last
+reference, train). The trainer's peak is set against the estimate the runs print at start (plumbing/memory.py). The last
 update is then repeated from a checkpoint saved before it: resume is exact when the loss and gradient norm are the
 same. --fsdp also runs every engine under FSDP2 with one process (accelerate launch --config_file configs/fsdp2.yaml):
 the sharded policy and reference, the weights gathered for the push, the sharded checkpoint.
@@ -42,10 +42,10 @@ sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
 import grpo_async  # noqa: E402
-from utils.batch import make_batch  # noqa: E402
-from utils.engine import create_engine  # noqa: E402
-from utils.memory import trainer_memory  # noqa: E402
-from utils.runs import RunArgs, load_checkpoint, quiet_libraries, save_checkpoint  # noqa: E402
+from grpo import make_batch  # noqa: E402
+from plumbing.engine import create_engine  # noqa: E402
+from plumbing.memory import trainer_memory  # noqa: E402
+from plumbing.run import RunArgs, load_checkpoint, quiet_libraries, save_checkpoint  # noqa: E402
 
 SHAPES = {  # Qwen2.5-0.5B's config; tiny: the same architecture at a size a CPU runs in seconds
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -134,7 +134,7 @@ def run_engine(engine_name, opts, model_dir):
             batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples,
                                tokenizer.pad_token_id, accelerator.device)
             if beta > 0:
-                batch.ref_logp = grpo.batched_logprobs(ref_model, batch, args.temperature, len(batch),
+                batch.ref_logp = grpo.batched_logprobs(ref_model, batch, args.temperature, accelerator, len(batch),
                                                        args.micro_batch_size)
             times["reference"], peaks["reference"] = time.time(), phase_peak_gb()
             rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
@@ -142,7 +142,7 @@ def run_engine(engine_name, opts, model_dir):
             if step == opts.steps:  # the resume check's starting point: a checkpoint before the last update
                 save_checkpoint(accelerator, model, tokenizer, run_dir, step - 1)
                 checkpoint = os.path.join(run_dir, "checkpoint")
-            stats = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
+            stats, _ = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
             times["train"], peaks["train"] = time.time(), phase_peak_gb()
             tokens = int(batch.mask.sum().item())
             steps.append({"step": step, "sleep_level": sleep_level if engine.asleep else None, "beta": beta,
@@ -157,7 +157,7 @@ def run_engine(engine_name, opts, model_dir):
                           "grad_norm": float(stats.means["policy/grad_norm"]),
                           **{f"peak_{phase}_gb": gb for phase, gb in peaks.items()}})
         load_checkpoint(accelerator, checkpoint)  # the last update again, from the checkpoint before it
-        again = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
+        again, _ = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
         loss, grad_norm = float(again.sums["losses/policy"]), float(again.means["policy/grad_norm"])
         result["resume"] = {"loss": loss, "grad_norm": grad_norm,
                             "equal": loss == steps[-1]["loss"] and grad_norm == steps[-1]["grad_norm"]}

@@ -1,4 +1,4 @@
-"""The HF engine's decode loop (utils.hf_engine.HFDecoder) against transformers' generate(), same model and prompts.
+"""The HF engine's decode loop (plumbing.engine.HFDecoder) against transformers' generate(), same model and prompts.
 
     python benchmarks/hf_decode.py                       # embedded model: 32 prompts x 8 samples, 48 new tokens
     python benchmarks/hf_decode.py --repeats 9 --prompts 16
@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
-from utils.hf_engine import HFDecoder  # noqa: E402
-from utils.runs import RunArgs  # noqa: E402
+from plumbing.engine import HFDecoder  # noqa: E402
+from plumbing.run import RunArgs  # noqa: E402
 
 
 def main():

@@ -4,7 +4,7 @@
     python benchmarks/lora_engine_sync.py --model toy --ranks 8 --versions 3 --name lora_engine_sync_toy
 
 Two ways to give the engine the policy after each optimizer step:
-- merged (what every script does, utils/lora.py): the trainer computes W + (alpha / R) B A for each adapted layer and
+- merged (what every script does, plumbing/lora.py): the trainer computes W + (alpha / R) B A for each adapted layer and
   pushes every weight with `reload_weights`, as for full fine-tuning; the engine runs the plain model.
 - adapter: the engine is started with `enable_lora`; after each step the trainer writes the adapters alone
   (peft's save_pretrained, to a temporary folder) and the engine loads them as a new LoRARequest, then samples with
@@ -12,7 +12,7 @@ Two ways to give the engine the policy after each optimizer step:
 Each way runs in its own process (the engine as the scripts create it on a CPU: external_launcher, float32, eager, a
 256 MB KV cache, prefix caching). Per version (an update of the adapters, B moved by noise so the adapters matter):
 sync, then sample --prompts prompts x --n completions of up to --max_tokens tokens at temperature 1, timed; the
-trainer then computes the log-probs of the sampled tokens with the adapted model (utils/logprobs.py) and the gap to the
+trainer then computes the log-probs of the sampled tokens with the adapted model (grpo.token_logprobs) and the gap to the
 engine's log-probs is taken, as `rollout/logprob_gap_*` is in a run. "gap if the adapters were ignored" is the same gap
 against the base model: how far off an engine that missed the update would be. Medians over versions 2.. (the first
 pays one-time set-up); ratios against the merged push, measured in this invocation.
@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from toy_runs import ROOT  # noqa: E402
-from utils.parallel import free_port  # noqa: E402
+from plumbing.parallel import free_port  # noqa: E402
 
 ONE_WAY = """
 import json, os, statistics, sys, tempfile, time
@@ -36,11 +36,11 @@ torch.set_num_threads(int(sys.argv[6]))
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
-from utils.batch import make_batch
-from utils.hf_engine import Sample
-from utils.logprobs import token_logprobs
-from utils.lora import apply_lora, merged_weights
-from utils.models import load_tokenizer, resolve_model
+from accelerate import Accelerator
+from grpo import make_batch, token_logprobs
+from plumbing.engine import Sample
+from plumbing.lora import apply_lora, merged_weights
+from plumbing.models import load_tokenizer, resolve_model
 from utils.tasks import TOY_MODEL_DIR
 way, name, rank, versions = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 prompts_n, n, max_tokens = (int(x) for x in sys.argv[5].split(","))
@@ -80,9 +80,9 @@ for version in range(1, versions + 1):
                for out in outputs for o in out.outputs]
     batch = make_batch([p for p in prompts for _ in range(n)], samples, tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
-        adapted, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
+        adapted, _ = token_logprobs(policy, batch, 1.0, Accelerator(cpu=True))
         with policy.disable_adapter():
-            base, _ = token_logprobs(policy, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
+            base, _ = token_logprobs(policy, batch, 1.0, Accelerator(cpu=True))
     gap, ignored = ((batch.engine_logp - adapted).abs() * batch.mask), ((batch.engine_logp - base).abs() * batch.mask)
     rows.append({"sync_s": sync_s, "generate_s": generate_s, "tokens": int(batch.mask.sum()),
                  "gap_mean": float(gap.sum() / batch.mask.sum()), "gap_max": float(gap.max()),

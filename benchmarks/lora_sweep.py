@@ -56,13 +56,14 @@ def main():
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--name", default="lora_toy")
     parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
+    parser.add_argument("--out_dir", default=os.path.join(toy_runs.ROOT, "runs", "benchmarks"))
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo.py flags for every run")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
     configs = [(0, lr) for lr in args.full_lrs] + [(rank, lr) for rank in args.ranks for lr in args.lora_lrs]
     for rank, lr in configs:
         toy_runs.VARIANTS[config_name(rank, lr)] = ("grpo.py", ["--learning_rate", f"{lr:g}", "--lora_rank", str(rank)])
-    out_dir = os.path.join(toy_runs.ROOT, "runs", "benchmarks", args.name)
+    out_dir = os.path.join(args.out_dir, args.name)
     jobs = [(config_name(rank, lr), seed) for rank, lr in configs for seed in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: toy_runs.run(*job, args.steps, out_dir, extra, args.reuse), jobs))

@@ -5,7 +5,7 @@ optimizer steps on it (grpo.py's own update_policy, as the later mini-batches of
 from pi_old and clipping can act. On that batch and that policy, each algorithm file's own compute_advantages and
 compute_loss (imported from the script, with its defaults) give:
 
-- the per-token weight the loss puts on each log-prob, -dL/dlogp * N (utils/rollout_page.token_weights), and its
+- the per-token weight the loss puts on each log-prob, -dL/dlogp * N (plumbing/rollout_page.token_weights), and its
   cosine with GRPO's;
 - the gradient over every parameter: its cosine with GRPO's and its norm over GRPO's;
 - the share of tokens whose policy-gradient weight is 0 (clipped or masked), among tokens of positive and of negative
@@ -33,10 +33,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from utils.batch import make_batch, micro_batches  # noqa: E402
-from utils.engine import Engine  # noqa: E402
+from grpo import make_batch, micro_batches  # noqa: E402
+from plumbing.engine import Engine  # noqa: E402
 from utils.rl import kl_k1, masked_whiten  # noqa: E402
-from utils.rollout_page import token_weights  # noqa: E402
+from plumbing.rollout_page import token_weights  # noqa: E402
 
 ALGORITHMS = {  # name: (script, Args fields changed from the script's defaults)
     "grpo": ("grpo.py", {}),
@@ -82,7 +82,7 @@ def script_advantages(module, args, rollout, accelerator):
     return advantages[:, None] * batch.mask
 
 
-def loss_gradient(module, args, rollout, advantages, policy, micro_batch_size):
+def loss_gradient(module, args, rollout, advantages, policy, accelerator, micro_batch_size):
     """The script's loss on the batch at the moved policy, the batch as one mini-batch -> (flat parameter gradient,
     per-token weights -dL/dlogp * N (B, T))."""
     batch = rollout["batch"]
@@ -91,12 +91,12 @@ def loss_gradient(module, args, rollout, advantages, policy, micro_batch_size):
     weights = torch.zeros_like(batch.mask)
     policy.zero_grad(set_to_none=True)
     for rows, mc in micro_batches(batch, micro_batch_size):
-        logp, _ = module.token_logprobs(policy, mc, args.temperature)
+        logp, _ = module.token_logprobs(policy, mc, args.temperature, accelerator)
         width = logp.shape[1]
         old, ref, adv = (x[rows, :width] for x in (rollout["old_logp"], rollout["ref_logp"], advantages))
         module.compute_loss(logp, old, ref if beta else None, adv, mc.mask, counts, args)[0].backward()
-        weights[rows, :width] = token_weights(module.compute_loss, logp, old, ref if beta else None, adv, mc.mask,
-                                              counts, args)
+        weights[rows, :width] = token_weights(lambda *inputs: module.compute_loss(*inputs, args), logp, old,
+                                              ref if beta else None, adv, mc.mask, counts)
     gradient = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
     policy.zero_grad(set_to_none=True)
     return gradient, weights
@@ -111,11 +111,11 @@ def probe(module, args, rollout, policy, accelerator, micro_batch_size):
                                              accelerator)
         trained = advantages * (rollout["old_entropy"] >= threshold).float()
     pg_args = dataclasses.replace(args, beta=0.0) if getattr(args, "beta", 0.0) else args
-    gradient, weights = loss_gradient(module, pg_args, rollout, trained, policy, micro_batch_size)
+    gradient, weights = loss_gradient(module, pg_args, rollout, trained, policy, accelerator, micro_batch_size)
     kl_norm = 0.0
     if pg_args is not args:  # the whole loss's gradient less the policy-gradient terms' is the KL term's
-        kl_norm = float((loss_gradient(module, args, rollout, trained, policy, micro_batch_size)[0] - gradient)
-                        .double().norm())
+        whole, _ = loss_gradient(module, args, rollout, trained, policy, accelerator, micro_batch_size)
+        kl_norm = float((whole - gradient).double().norm())
     return gradient, weights, kl_norm, advantages
 
 
@@ -124,7 +124,7 @@ def collect_rollout(args, prompts_count, moves, seed):
     steps on it. -> (rollout dict, the moved policy, accelerator, grpo module)."""
     from accelerate.utils import set_seed
 
-    from utils.models import load_tokenizer
+    from plumbing.models import load_tokenizer
     from utils.rewards import RewardScorer
     from utils.tasks import load_splits
 
@@ -153,9 +153,9 @@ def collect_rollout(args, prompts_count, moves, seed):
     old_logp, old_entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
     with torch.no_grad():
         for rows_, mc in micro_batches(batch, args.micro_batch_size):
-            logp, entropy = grpo.token_logprobs(policy, mc, args.temperature, with_entropy=True)
+            logp, entropy = grpo.token_logprobs(policy, mc, args.temperature, accelerator, with_entropy=True)
             old_logp[rows_, :logp.shape[1]], old_entropy[rows_, :logp.shape[1]] = logp, entropy
-    ref_logp = grpo.batched_logprobs(ref, batch, args.temperature, size, args.micro_batch_size)
+    ref_logp = grpo.batched_logprobs(ref, batch, args.temperature, accelerator, size, args.micro_batch_size)
     del ref
     # the policy moves: `moves` GRPO optimizer steps on this batch (grpo.py's update_policy, mini-batches of it)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -217,7 +217,7 @@ def main():
         if base is None:
             base = (gradient.clone(), weights.clone())
             with torch.no_grad():
-                logp = grpo.batched_logprobs(policy, rollout["batch"], args.temperature, len(mask),
+                logp = grpo.batched_logprobs(policy, rollout["batch"], args.temperature, accelerator, len(mask),
                                              args.micro_batch_size)
             ratio = (logp - rollout["old_logp"]).exp()
         positive, negative = mask & (advantages > 0), mask & (advantages < 0)

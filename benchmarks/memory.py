@@ -1,6 +1,6 @@
 """Peak memory and time of one trainer step at real models' shapes: the token log-probs computed a chunk of positions
-at a time (utils/logprobs.py) against the whole-vocabulary float32 log-softmax, and gradient checkpointing on and
-off; and the estimate every run prints at start (utils/memory.py) against what was measured.
+at a time (grpo.py's token_logprobs) against the whole-vocabulary float32 log-softmax, and gradient checkpointing on and
+off; and the estimate every run prints at start (plumbing/memory.py) against what was measured.
 
     python benchmarks/memory.py                          # Qwen2.5-0.5B and 1.5B widths, 2 layers, completions 512-4096
     python benchmarks/memory.py --layers 24 --lengths 1024 2048 --models qwen2.5-0.5b --name memory_full_depth
@@ -20,8 +20,9 @@ glibc's allocator keeps of freed memory too (a preloaded allocator keeps less), 
 under torch's MemTracker: its tensor peak is the most bytes the step's tensors held at once (parameters, gradients,
 optimizer state, activations, temporaries), what torch.cuda.max_memory_allocated measures on a GPU. The estimate is
 checked against both; it is a function of the case alone, so --reuse recomputes it for measurements read back.
-The per-token cost is the slope over T; it is the marginal cost only above CHUNK_TOKENS (1024) completion tokens,
-below which the log-prob chunk itself grows with T. Cases run interleaved, so the time ratios compare steps measured
+The per-token cost is the slope over T; it is the marginal cost only above a chunk's positions (grpo.py's
+CHUNK_BYTES of float32 logits: 441 positions at these models' vocabulary), below which the log-prob chunk itself grows
+with T. Cases run interleaved, so the time ratios compare steps measured
 under the same load. The depth is cut to --layers on a CPU (the output layer and the per-layer
 terms are the same at any depth; the estimate takes the depth into account).
 """
@@ -44,8 +45,8 @@ SHAPES = {  # the models' configs (Hugging Face), vocabulary included
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,  # a check in
-                 num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),  # seconds (the tests)
-}
+                 num_key_value_heads=2, vocab_size=131072, tie_word_embeddings=True),  # seconds (the tests); its
+}  # vocabulary makes a log-prob chunk 512 positions, so 1024 completion tokens span two
 MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]  # the default
 RECIPES = {  # docs/running.md's recipes, on 8 GPUs (bf16, gradient checkpointing): what their runs print at start
     "gsm8k": ("qwen2.5-0.5b", dict(micro_batch=8, prompt=512, completion=512, reference=True, fsdp=False)),
@@ -75,12 +76,12 @@ def case_config(shape, layers=None, length=0):
 
 
 def estimate_gb(config, micro_batch, prompt, completion, checkpointing, reference=False, **flags):
-    """The estimate a run of this model prints at start (utils/memory.py): its parts in GB (and "total"). The
+    """The estimate a run of this model prints at start (plumbing/memory.py): its parts in GB (and "total"). The
     parameters are counted on the meta device (no memory); `flags`: estimate()'s bf16, processes, fsdp, cuda."""
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from utils.memory import estimate
+    from plumbing.memory import estimate
 
     with torch.device("meta"):
         sizes = [p.numel() for p in Qwen2ForCausalLM(config).parameters()]
@@ -89,14 +90,32 @@ def estimate_gb(config, micro_batch, prompt, completion, checkpointing, referenc
     return {k: v / 2**30 for k, v in parts.items()}
 
 
+def full_vocabulary_logprobs(model, batch, temperature, accelerator=None, with_entropy=False):
+    """grpo.token_logprobs's quantities from the whole (B, T, V) float32 log-softmax of the model's own logits: what a
+    trainer without chunking computes (and the reference tests/test_logprobs.py holds the chunked path to)."""
+    import torch
+
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = batch.input_ids[:, batch.prompt_width:]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logp_all.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
 def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, threads):
     """Runs in its own process: the measurement of one case, as a dict."""
     import torch
+    from accelerate import Accelerator
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import Qwen2ForCausalLM
 
-    from utils.logprobs import full_vocabulary_logprobs, token_logprobs
-    from utils.models import gradient_checkpointing
+    import grpo
+    from plumbing.models import gradient_checkpointing
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -106,14 +125,15 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
     gradient_checkpointing(model, checkpointing, model_name="not-the-embedded-model")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, config.vocab_size, (micro_batch, PROMPT + length))
-    attention = torch.ones_like(ids)
-    advantages = torch.randn(micro_batch, 1)
-    compute = token_logprobs if logprobs == "chunked" else full_vocabulary_logprobs
+    mask = torch.ones(micro_batch, length)
+    batch = grpo.Batch(ids, torch.ones_like(ids), PROMPT, mask, torch.zeros_like(mask))
+    advantages, accelerator = torch.randn(micro_batch, 1), Accelerator(cpu=True)
+    compute = grpo.token_logprobs if logprobs == "chunked" else full_vocabulary_logprobs
     reset_peak()  # not the model's initialization, which holds temporaries
     loaded, seconds = status("VmRSS"), []
     for step in range(3):
         start = time.perf_counter()
-        logp, _ = compute(model, ids, attention, PROMPT, 1.0)
+        logp, _ = compute(model, batch, 1.0, accelerator)
         loss = -(advantages * logp).mean()
         loss.backward()
         if step == 0:  # the log-prob pass alone: forward, loss, backward (activations, logits, gradients)
@@ -126,7 +146,7 @@ def one_case(shape, layers, length, logprobs, checkpointing, micro_batch, thread
     tracker = MemTracker()  # one more step, untimed: the peak of the bytes its tensors hold, whatever the allocator
     tracker.track_external(model, optimizer)
     with tracker:
-        logp, _ = compute(model, ids, attention, PROMPT, 1.0)
+        logp, _ = compute(model, batch, 1.0, accelerator)
         (-(advantages * logp).mean()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """How well a model starts on a task under each placement of the answer-format instruction (--instruction): a system
 turn, or after the question in the user turn. Greedy and sampled (T = 1, the rollouts' temperature) accuracy and format
-rate of the untrained model on held-out problems, through grpo.py's generate(), utils/engine.py's engine and the
+rate of the untrained model on held-out problems, through grpo.py's generate(), plumbing/engine.py's engine and the
 reward scorer.
 
     python benchmarks/prompt_start.py --model smollm2-135m --task rg:chain_sum:min_terms=2,max_terms=2,max_digits=2
@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
-from utils.engine import create_engine  # noqa: E402
+from plumbing.engine import create_engine  # noqa: E402
 from utils.rewards import RewardScorer  # noqa: E402
-from utils.runs import RunArgs  # noqa: E402
+from plumbing.run import RunArgs  # noqa: E402
 from utils.tasks import format_prompt, load_task  # noqa: E402
 
 

@@ -126,9 +126,10 @@ def main():
     fig, axes = plt.subplots(1, 4, figsize=(22, 4))
     for script, rows in results.items():
         steps = [r["step"] for r in rows]
-        smooth = lambda key: np.convolve([r[key] for r in rows], np.ones(10) / 10, mode="valid")  # noqa: E731
+        window = min(10, len(rows))  # a 10-step mean (fewer in a shorter run)
+        smooth = lambda key: np.convolve([r[key] for r in rows], np.ones(window) / window, mode="valid")  # noqa: E731
         for ax, key in zip(axes[:2], ("charts/accuracy", "charts/format")):
-            ax.plot(steps[9:], smooth(key), label=script)
+            ax.plot(steps[window - 1:], smooth(key), label=script)
         evals = [k for k, r in enumerate(rows) if "eval/pass@1_greedy" in r]
         accuracy = [base[-1]["eval/pass@1_greedy"]] + [rows[k]["eval/pass@1_greedy"] for k in evals]
         axes[2].plot([0] + [rows[k]["step"] for k in evals], accuracy, "o-", label=script)

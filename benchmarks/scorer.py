@@ -2,6 +2,7 @@
 in the calling process (what a reward function usually does), measured in one run on the same completions.
 
     python benchmarks/scorer.py [--repeats 3] [--out benchmarks/results/scorer.md]
+    python benchmarks/scorer.py --completions 32 --repeats 1 --out /tmp/scorer.md    # seconds: a check
 
 512 GSM8K-like completions (~600 characters of worked steps ending in \\boxed{N}; groups of 8 per gold; correct,
 reformatted, wrong and missing answers) and 512 MATH-like ones (fractions, roots, tuples, polynomials, intervals).
@@ -101,11 +102,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/scorer.md")
+    parser.add_argument("--completions", type=int, default=512, help="per set (a multiple of 16)")
     args = parser.parse_args()
+    n = args.completions
     rng = random.Random(0)
-    sets = {"gsm8k": gsm8k_like(rng), "math": math_like(rng)}
+    sets = {"gsm8k": gsm8k_like(rng, n), "math": math_like(rng, n)}
     texts, golds = sets["gsm8k"]
-    spots = [50, 180, 300, 470]
+    spots = [n * s // 512 for s in (50, 180, 300, 470)]
     pathological = ([TOWER.replace("TOP", str(i)) if i in spots else t for i, t in enumerate(texts)],
                     [str(i) if i in spots else g for i, g in enumerate(golds)])
     rows, accuracy = [], {}
@@ -139,13 +142,13 @@ def main():
             bad_new[k], _ = timed(lambda: new_calls(scorer, *pathological, 1))
     lines = [f"# Reward scorer ({os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.2f} at the end; "
              f"median of {args.repeats})", "",
-             "| path | cold: start + 512 (s) | one call of 512 (s) | 16 calls of 32 (s) | one call vs inline, same set "
-             "|",
+             f"| path | cold: start + {n} (s) | one call of {n} (s) | 16 calls of {n // 16} (s) | one call vs inline, "
+             "same set |",
              "|---|---|---|---|---|"]
     for label, cold, t1, t16, base in rows:
         lines.append(f"| {label} | {cold} | {t1:.3f} | {t16:.3f} | {t1 / base:.2f}x |")
     lines += ["", "Cold: scorer start (K=1's includes starting the fork server, once per process) and the first call.",
-              f"512 GSM8K-like with 4 different power towers (one call): inline {bad_inline:.2f} s, "
+              f"{n} GSM8K-like with 4 different power towers (one call): inline {bad_inline:.2f} s, "
               + ", ".join(f"K={k} {t:.2f} s" for k, t in bad_new.items()), ""]
     for name in sets:
         same = accuracy[("inline", name)] == accuracy[(1, name)] == accuracy[(2, name)] == accuracy.get(

@@ -42,10 +42,12 @@ def main():
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--name", default=None, help="default: toy_tool_use, or smollm2_tool_use_<engine> with --real")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more grpo_tools.py flags for every run")
     args = parser.parse_args()
     name = args.name or (f"smollm2_tool_use_{args.engine}" if args.real else "toy_tool_use")
     out_dir = os.path.join(args.out_dir, name)
-    flags = [*(REAL_FLAGS if args.real else ["--threads", "1"]), "--engine", args.engine]
+    flags = [*(REAL_FLAGS if args.real else ["--threads", "1"]), "--engine", args.engine,
+             *(a for a in args.extra if a != "--")]
     marks = sorted({1, 5, 10, 20, args.steps // 2, args.steps} - {0} & set(range(1, args.steps + 1)))
     lines = [f"# {name}", "", f"Command: `python benchmarks/tool_use.py{' --real' if args.real else ''} --engine "
              f"{args.engine} --seeds {' '.join(map(str, args.seeds))} --steps {args.steps}`; each run: `python "
@@ -58,7 +60,7 @@ def main():
         run_dir = os.path.join(out_dir, f"grpo_tools__{seed}")
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, os.path.join(ROOT, "grpo_tools.py"), "--seed", str(seed), "--output_dir", out_dir,
-               *flags]
+               "--exp_name", "grpo_tools", *flags]  # the run's folder: grpo_tools__<seed>, whatever the flags
         subprocess.run([*cmd, "--eval_only"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         before = json.loads(open(os.path.join(run_dir, "eval_only.jsonl")).readlines()[-1])

@@ -111,8 +111,10 @@ def pyplot():
     return plt
 
 
-def write_results(name, lines, out=os.path.join(ROOT, "benchmarks", "results")):
-    """Print a results table and write it to <out>/<name>.md; returns the path without its suffix."""
+def write_results(name, lines, out=None):
+    """Print a results table and write it to <out>/<name>.md (out: benchmarks/results, or the folder in the
+    environment variable TINYRL_RESULTS, as the tests set it); returns the path without its suffix."""
+    out = out or os.environ.get("TINYRL_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     with open(path + ".md", "w") as f:

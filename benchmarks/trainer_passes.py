@@ -10,7 +10,7 @@ Variants: grpo.py's default (micro-batches of 32 sorted by completion length, SD
 micro-batches of 16, 64, 128; SDPA's math backend; two other ways to compute the same log-probs (functions
 below: each prompt's forward shared by its rows in a micro-batch through the KV cache; no padding mask, which is exact
 when no prompt is left-padded, and no input for the last token, whose logits predict nothing; both apply the output
-layer as grpo.py does, a chunk of positions at a time: utils/logprobs.py); torch.compile. Prints,
+layer as grpo.py does, a chunk of positions at a time: grpo.output_logprobs); torch.compile. Prints,
 and writes to benchmarks/results/trainer_passes.md, the median seconds per pass over the repeats, the ratio to the
 default, the largest difference of the pi_ref pass's log-probs from the default's, the compile time (the first call of
 each compiled pass, which a training run pays too), and the cost of the same number of model calls on one short row
@@ -30,45 +30,40 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
-from utils.batch import make_batch  # noqa: E402
-from utils.hf_engine import HFDecoder  # noqa: E402
-from utils.logprobs import chunked_output_layer  # noqa: E402
-from utils.runs import RunArgs  # noqa: E402
+from grpo import make_batch  # noqa: E402
+from plumbing.engine import HFDecoder  # noqa: E402
+from plumbing.run import RunArgs  # noqa: E402
 from utils.tasks import toy_problems  # noqa: E402
 
 
-def logprobs_prompt_shared(model, batch, temperature, with_entropy=False):
+def logprobs_prompt_shared(model, batch, temperature, accelerator, with_entropy=False):
     """grpo.token_logprobs with each distinct prompt of the micro-batch run once: its KV cache and last hidden state
     are repeated for the rows that share it, then the completions run on that cache."""
     input_ids, attention_mask, prompt_width = batch.input_ids, batch.attention_mask, batch.prompt_width
     completion = input_ids[:, prompt_width:]
-
-    def forward():
-        prompt = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], dim=1)
-        unique, inverse = torch.unique(prompt, dim=0, return_inverse=True)
-        prompt_ids, prompt_mask = unique[:, :prompt_width], unique[:, prompt_width:]
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
-            min=0), use_cache=True, logits_to_keep=1)
-        hidden = [out.logits[inverse]]  # the output layer's input: the head is applied after, in chunks
-        if completion.shape[1] > 1:  # the last completion token is no input
-            out.past_key_values.batch_select_indices(inverse)
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden.append(model(input_ids=completion[:, :-1], attention_mask=attention_mask[:, :-1],
-                                position_ids=position_ids[:, prompt_width:-1], past_key_values=out.past_key_values,
-                                use_cache=True).logits)
-        return torch.cat(hidden, dim=1)
-
-    return chunked_output_layer(model, forward, completion, temperature, with_entropy)
+    prompt = torch.cat([input_ids[:, :prompt_width], attention_mask[:, :prompt_width]], dim=1)
+    unique, inverse = torch.unique(prompt, dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = unique[:, :prompt_width], unique[:, prompt_width:]
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(
+        min=0), use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    hidden = [out.hidden_states[-1][inverse, -1:]]  # the output layer's input: the head is applied after, in chunks
+    if completion.shape[1] > 1:  # the last completion token is no input
+        out.past_key_values.batch_select_indices(inverse)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        hidden.append(model(input_ids=completion[:, :-1], attention_mask=attention_mask[:, :-1],
+                            position_ids=position_ids[:, prompt_width:-1], past_key_values=out.past_key_values,
+                            use_cache=True, output_hidden_states=True, logits_to_keep=1).hidden_states[-1])
+    return grpo.output_logprobs(model, torch.cat(hidden, dim=1), completion, temperature, accelerator, with_entropy)
 
 
-def logprobs_unmasked(model, batch, temperature, with_entropy=False):
+def logprobs_unmasked(model, batch, temperature, accelerator, with_entropy=False):
     """grpo.token_logprobs without the padding mask (right padding is invisible to a causal model at the positions
     read; the toy's prompts are never left-padded) and without the last token as an input."""
     assert bool(batch.attention_mask[:, 0].all()), "a left-padded prompt needs the mask"
     completion = batch.input_ids[:, batch.prompt_width:]
-    return chunked_output_layer(model, lambda: model(input_ids=batch.input_ids[:, :-1],
-                                                     logits_to_keep=completion.shape[1]).logits,
-                                completion, temperature, with_entropy)
+    hidden = model(input_ids=batch.input_ids[:, :-1], output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    return grpo.output_logprobs(model, hidden[:, batch.prompt_width - 1:], completion, temperature, accelerator,
+                                with_entropy)
 
 
 def main():
@@ -124,7 +119,7 @@ def main():
         seconds = {}
         with sdpa_kernel(backend):
             start = time.perf_counter()
-            ref_logp = grpo.batched_logprobs(reference, batch, args.temperature, len(batch), size)
+            ref_logp = grpo.batched_logprobs(reference, batch, args.temperature, accelerator, len(batch), size)
             seconds["pi_ref pass"] = time.perf_counter() - start
             ref_logps[name] = ref_logp
             start = time.perf_counter()

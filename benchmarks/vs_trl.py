@@ -1,7 +1,7 @@
 """grpo.py against TRL's GRPOTrainer, on the embedded toy task or a real model: the same prompts per step, rewards and
 settings.
 
-    pip install -r benchmarks/requirements.txt        # trl==1.16.0 (benchmark only: the test suite does not need it)
+    (trl==1.16.0 is in the project's lock; elsewhere: pip install -r benchmarks/requirements.txt)
     python benchmarks/vs_trl.py                       # toy: 3 seeds x 250 steps, the sides alternating, one at a time
     python benchmarks/vs_trl.py --seeds 1 --steps 20 --name vs_trl_smoke
     python benchmarks/vs_trl.py --pool vs_trl vs_trl_repeat  # medians over the runs of several invocations together
@@ -77,7 +77,7 @@ def settings(a):
         ("threads", f"--threads {a.run.threads}",
          f"torch.set_num_threads({a.run.threads}) before the trainer is built"),
         ("glibc's mmap threshold", f"--malloc_mmap_threshold {a.run.malloc_mmap_threshold}",
-         f"set_mmap_threshold({a.run.malloc_mmap_threshold}) (utils/runs.py) before the trainer is built"),
+         f"set_mmap_threshold({a.run.malloc_mmap_threshold}) (plumbing/run.py) before the trainer is built"),
         ("not matched: speed knobs", f"policy/reference passes in micro-batches of {a.micro_batch_size} sorted by "
          "length (the same update); its own decode loop", f"one pass of {batch} padded to the longest; "
          "transformers' generate()"),
@@ -90,7 +90,7 @@ def trl_side(seed, steps, out_dir, flags):
     """One TRL run, logging {step, charts/reward, time/step} per step to <out_dir>/trl__<seed>/metrics.jsonl."""
     import torch
 
-    from utils.runs import set_mmap_threshold
+    from plumbing.run import set_mmap_threshold
 
     args = grpo_args(seed, flags)
     torch.set_num_threads(args.run.threads)
@@ -103,7 +103,8 @@ def trl_side(seed, steps, out_dir, flags):
     from utils.tasks import load_splits
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    train_rows, _, _ = load_splits(args, tokenizer, 1)
+    train_rows, _, _ = load_splits(args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length,
+                                   args.run.eval_size, args.prompts_per_step, 0)
     rows = []
     for step in range(1, steps + 1):  # exactly grpo.py's draw
         picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)

@@ -39,7 +39,7 @@ def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True,
 def resolved(module, num_processes=1, **overrides):
     """An algorithm script's Args with these overrides (a RunArgs field goes to args.run), defaults filled and
     checked as at the start of a run."""
-    from utils.runs import RunArgs
+    from plumbing.run import RunArgs
 
     run_fields = {field.name for field in dataclasses.fields(RunArgs)}
     run = RunArgs(**{k: v for k, v in overrides.items() if k in run_fields})

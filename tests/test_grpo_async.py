@@ -10,8 +10,8 @@ import torch
 import grpo_async
 from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import setup
-from utils.engine import Engine
-from utils.partial_rollouts import PartialDecoder
+from plumbing.engine import Engine
+from plumbing.partial_rollouts import PartialDecoder
 
 
 def new_groups(count, G):

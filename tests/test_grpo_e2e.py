@@ -15,7 +15,8 @@ import torch
 import grpo
 import tests.helpers
 from tests.helpers import ROOT, SMALL, resolved, run_grpo, two_processes
-from utils.runs import RunArgs, StepStats, find_checkpoint, run_name, step_metrics
+from grpo import StepStats
+from plumbing.run import RunArgs, find_checkpoint, run_name, step_metrics
 
 
 def test_import_has_no_side_effects(tmp_path):
@@ -65,7 +66,7 @@ def test_run_names_two_commands_never_share_a_folder():
 
 MAPPED_BYTES = """
 import ctypes, sys, torch
-from utils.runs import set_mmap_threshold
+from plumbing.run import set_mmap_threshold
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -81,7 +82,7 @@ print(libc.mallinfo2().hblkhd - before)  # the bytes glibc mapped for the 6 MiB 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="--malloc_mmap_threshold sets glibc's malloc")
 def test_the_mmap_threshold_maps_large_tensors_on_their_own_and_the_environment_wins():
-    """--malloc_mmap_threshold (utils/runs.set_mmap_threshold), read off glibc's own counts (mallinfo2): at 4 MiB a
+    """--malloc_mmap_threshold (plumbing/run.set_mmap_threshold), read off glibc's own counts (mallinfo2): at 4 MiB a
     6 MiB tensor is mapped on its own (its memory goes back to the system when freed), also after a larger block was
     freed; at 0, glibc's default, that free lifts the threshold and the tensor comes from the heap; a
     MALLOC_MMAP_THRESHOLD_ in the environment is left to rule."""
@@ -96,10 +97,10 @@ def test_the_mmap_threshold_maps_large_tensors_on_their_own_and_the_environment_
 
 
 def test_step_metrics_are_the_rollouts_and_the_phases_add_up_to_the_step():
-    """utils/runs.py step_metrics, which every script logs through: one definition of each rate and time."""
+    """plumbing/run.py step_metrics, which every script logs through: one definition of each rate and time."""
     from accelerate import Accelerator
 
-    from utils.hf_engine import Sample
+    from plumbing.engine import Sample
 
     samples = [Sample([5, 6, 7], [-0.1] * 3, False), Sample([5], [-0.2], True)]
     counts = {"no_answer": 1, "unparsed": 0, "timeouts": 2, "verify_timeouts": 0, "errors": 0, "memory": 0}
@@ -316,7 +317,7 @@ def test_a_crash_while_checkpointing_loses_nothing(tmp_path, monkeypatch):
     A crash inside a save, or between the two renames, leaves the previous checkpoint whole: resuming restores its
     step and weights, and the next save completes."""
     from tests.test_engine import setup
-    from utils import runs
+    from plumbing import run as runs
 
     _, accelerator, tokenizer, model = setup()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -6,11 +6,12 @@ import os
 
 import pytest
 import torch
+from accelerate import Accelerator
 
 import grpo_tools
+from grpo_tools import Batch, make_batch, micro_batches
 from tests.helpers import ROOT, SMALL, loss_of, resolved, run_grpo, two_processes
-from utils.batch import Batch, make_batch, micro_batches
-from utils.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
+from plumbing.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
 
@@ -22,7 +23,7 @@ def test_code_and_output_blocks():
     assert output_block("29842\n", "", 100) == "```output\n29842\n```\n"
     assert output_block("partial\n", "ValueError: bad", 100) == "```output\npartial\nValueError: bad\n```\n"
     assert output_block("y" * 50, "", 10) == "```output\n" + "y" * 10 + "\n... (output truncated)\n```\n"
-    from utils.models import load_tokenizer
+    from plumbing.models import load_tokenizer
 
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
     ids = tool_output_ids(tokenizer, "z" * 500, "RuntimeError: late", 60)
@@ -36,7 +37,7 @@ def test_code_and_output_blocks():
 def test_hf_decode_loop_stops_at_the_tool_stop_string():
     from accelerate import Accelerator
 
-    from utils.models import load_tokenizer
+    from plumbing.models import load_tokenizer
     from utils.tasks import toy_mul_problems
 
     torch.manual_seed(0)
@@ -63,11 +64,11 @@ def test_tool_output_is_context_not_action():
     attends to them) leaves the gradient unchanged; without the mask it would change. Between two turns, the output
     does change the later tokens' log-probs (it is their context), as it should. micro_batches cuts each row after its
     last model token, not after mask.sum() tokens."""
-    from utils.models import load_tokenizer
+    from plumbing.models import load_tokenizer
 
     torch.manual_seed(0)
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(TOOLS_MODEL, tokenizer)
+    model, accelerator = grpo_tools.load_model(TOOLS_MODEL, tokenizer), Accelerator(cpu=True)
     prompt = tokenizer("347*86=")["input_ids"]
     model_turn = tokenizer("```python\nprint(347*86)" + TOOL_STOP)["input_ids"]
 
@@ -78,7 +79,7 @@ def test_tool_output_is_context_not_action():
         batch = make_batch([prompt], [sample], tokenizer.pad_token_id, "cpu")
         batch.mask[0] = torch.tensor(mask, dtype=torch.float32)
         model.zero_grad()
-        logp, _ = grpo_tools.token_logprobs(model, batch, 1.0)
+        logp, _ = grpo_tools.token_logprobs(model, batch, 1.0, accelerator)
         loss, _, _ = loss_of(grpo_tools, logp, logp.detach() - 0.1, torch.tensor([1.0]), batch.mask, clip_eps=0.5,
                              beta=0.0)
         loss.backward()
@@ -101,8 +102,8 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
     model's own."""
     from accelerate import Accelerator
 
-    from utils.engine import create_engine
-    from utils.models import load_tokenizer
+    from plumbing.engine import create_engine
+    from plumbing.models import load_tokenizer
     from utils.tasks import toy_mul_problems
 
     torch.manual_seed(0)

@@ -75,13 +75,14 @@ def test_high_entropy_tokens_only_the_threshold_is_the_mini_batchs():
     args = dataclasses.replace(resolved(high_entropy, top_entropy_frac=0.2, max_grad_norm=1e9), num_minibatches=1)
     _, batch, old_logp = rollout(model, tokenizer, accelerator, 1.0)
     batch = high_entropy.Batch(**vars(with_advantages(batch, old_logp)))
-    batch.old_logp, batch.old_entropy = high_entropy.batched_logprobs_and_entropies(model, batch, 1.0, len(batch), 16)
+    batch.old_logp, batch.old_entropy = high_entropy.batched_logprobs_and_entropies(
+        model, batch, 1.0, accelerator, len(batch), 16)
     mask = batch.mask.bool()
     expected = torch.quantile(batch.old_entropy[mask], 0.8)
     updates = []
     for micro in (2, 4, 16):
         args.micro_batch_size, policy = micro, copy.deepcopy(model)
-        stats = high_entropy.update_policy(args, policy, torch.optim.SGD(policy.parameters(), lr=1.0),
+        stats, _ = high_entropy.update_policy(args, policy, torch.optim.SGD(policy.parameters(), lr=1.0),
                                            dataclasses.replace(batch), accelerator)
         updates.append(flat_update(model, policy))
         assert stats.means["policy/entropy_threshold"].item() == pytest.approx(expected.item(), rel=1e-6)
@@ -92,7 +93,7 @@ def test_high_entropy_tokens_only_the_threshold_is_the_mini_batchs():
     for update in updates[1:]:
         assert torch.allclose(updates[0], update, atol=1e-6, rtol=1e-4)
     args.top_entropy_frac, policy = 1.0, copy.deepcopy(model)
-    stats = high_entropy.update_policy(args, policy, torch.optim.SGD(policy.parameters(), lr=1.0),
+    stats, _ = high_entropy.update_policy(args, policy, torch.optim.SGD(policy.parameters(), lr=1.0),
                                        dataclasses.replace(batch), accelerator)
     assert stats.sums["policy/entropy_kept_frac"].item() == pytest.approx(1.0)  # rho = 1: every token
     assert not torch.allclose(updates[0], flat_update(model, policy), atol=1e-6)

@@ -1,15 +1,18 @@
-"""utils/logprobs.py: token log-probs and entropies computed a chunk of positions at a time through the output layer
-equal the whole-vocabulary computation's, in value and in gradient (with respect to the hidden states, the output
-layer and every weight of the model), with temperature, padding, a bias and chunks that do not divide the positions;
-and no tensor of the vocabulary's width outlives a chunk."""
+"""grpo.py's token log-probs (token_logprobs, output_logprobs): computed a chunk of positions at a time through the
+output layer under torch.utils.checkpoint, they equal the whole-vocabulary computation's, in value and in gradient
+(with respect to the hidden states, the output layer and every weight of the model), with temperature, padding, a bias,
+a soft-capped output and chunks that do not divide the positions; the entropy is accurate in float32 for a peaked
+distribution; no tensor of the vocabulary's width is kept for the backward pass outside a chunk."""
 
 import copy
 
 import pytest
 import torch
+from accelerate import Accelerator
 
+import grpo
+from benchmarks.memory import full_vocabulary_logprobs
 from tests.test_engine import rollout, setup
-from utils.logprobs import _ChunkedHead, full_vocabulary_logprobs, token_logprobs
 
 
 def reference_head(hidden, weight, bias, targets, temperature):
@@ -18,38 +21,77 @@ def reference_head(hidden, weight, bias, targets, temperature):
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
 
+class Head(torch.nn.Module):
+    """The smallest model output_logprobs reads: an output layer and a config."""
+
+    def __init__(self, weight, bias, softcap=None):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        self.lm_head.weight, self.config = weight, type("Config", (), {"final_logit_softcapping": softcap})()
+        if bias is not None:
+            self.lm_head.bias = bias
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
 @pytest.mark.parametrize("temperature, chunk, with_bias", [(1.0, 4, False), (0.7, 3, True), (1.3, 100, True)])
-def test_the_chunked_head_is_the_full_head(temperature, chunk, with_bias):
+def test_the_chunked_output_layer_is_the_full_one(monkeypatch, temperature, chunk, with_bias):
+    monkeypatch.setattr(grpo, "CHUNK_BYTES", 4 * 50 * chunk)  # `chunk` positions of 50 float32 logits
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(10, 6, generator=g, requires_grad=True)
-    weight = torch.randn(50, 6, generator=g, requires_grad=True)
-    bias = torch.randn(50, generator=g, requires_grad=True) if with_bias else None
-    targets = torch.randint(0, 50, (10,), generator=g)
-    upstream = torch.randn(10, generator=g)  # any loss of the log-probs: a weighted sum
-    logp, entropy = _ChunkedHead.apply(hidden, weight, bias, targets, temperature, torch.float32, chunk, True)
-    expected_logp, expected_entropy = reference_head(hidden, weight, bias, targets, temperature)
-    assert torch.allclose(logp, expected_logp, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-5)
+    hidden = torch.randn(2, 5, 6, generator=g, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(50, 6, generator=g))
+    bias = torch.nn.Parameter(torch.randn(50, generator=g)) if with_bias else None
+    targets = torch.randint(0, 50, (2, 5), generator=g)
+    upstream = torch.randn(2, 5, generator=g)  # any loss of the log-probs: a weighted sum
+    logp, entropy = grpo.output_logprobs(Head(weight, bias), hidden, targets, temperature, Accelerator(cpu=True), True)
+    expected_logp, expected_entropy = reference_head(hidden.reshape(10, 6), weight, bias, targets.reshape(10),
+                                                     temperature)
+    assert torch.allclose(logp.reshape(10), expected_logp, atol=1e-6)
+    assert torch.allclose(entropy.reshape(10), expected_entropy, atol=1e-5) and not entropy.requires_grad
     wrt = [hidden, weight] + ([bias] if with_bias else [])
     grads = torch.autograd.grad((upstream * logp).sum(), wrt)
-    expected = torch.autograd.grad((upstream * expected_logp).sum(), wrt)
+    expected = torch.autograd.grad((upstream.reshape(10) * expected_logp).sum(), wrt)
     for got, want in zip(grads, expected):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
 
 
+def test_a_soft_capped_output_is_capped_before_the_softmax():
+    """Gemma 2 caps its logits, cap tanh(z / cap), in its own forward: the chunks apply the same cap."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(1, 7, 6, generator=g) * 5, torch.nn.Parameter(torch.randn(50, 6, generator=g))
+    targets = torch.randint(0, 50, (1, 7), generator=g)
+    logp, _ = grpo.output_logprobs(Head(weight, None, softcap=3.0), hidden, targets, 1.0, Accelerator(cpu=True))
+    z = 3.0 * torch.tanh(hidden[0] @ weight.T / 3.0)
+    assert torch.allclose(logp[0], torch.log_softmax(z, -1).gather(-1, targets[0, :, None]).squeeze(-1), atol=1e-6)
+    uncapped, _ = grpo.output_logprobs(Head(weight, None), hidden, targets, 1.0, Accelerator(cpu=True))
+    assert (uncapped - logp).abs().max() > 0.1  # the cap matters at these logits: the test can tell
+
+
+def test_a_peaked_distributions_entropy_is_accurate_in_float32():
+    """Logits (77, 66, 60): H = 2.012e-4 in float64. logsumexp(z) - sum_v p_v z_v in float32 gives 9.2e-5 (the
+    rounding of logsumexp scales every p_v); sum_v p_v (logsumexp(z) - z_v) is accurate to ~1e-6 of H."""
+    weight = torch.nn.Parameter(torch.eye(3))
+    hidden = torch.tensor([[[77.0, 66.0, 60.0]]])
+    _, entropy = grpo.output_logprobs(Head(weight, None), hidden, torch.tensor([[0]]), 1.0, Accelerator(cpu=True),
+                                      with_entropy=True)
+    p = torch.softmax(hidden[0, 0].double(), -1)
+    exact = float(-(p * p.log()).sum())
+    assert abs(exact - 2.012e-4) < 1e-6 and abs(float(entropy) - exact) < 1e-3 * exact
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_the_models_logprobs_entropies_and_gradients_are_the_full_vocabularys(temperature):
+def test_the_models_logprobs_entropies_and_gradients_are_the_full_vocabularys(monkeypatch, temperature):
     """The embedded model (tied embeddings: the output layer's gradient meets the embedding's) on a rollout batch of
     16 completions of different lengths, left-padded prompts and right-padded completions; chunks of 7 positions."""
+    monkeypatch.setattr(grpo, "CHUNK_BYTES", 4 * 258 * 7)  # the embedded model's 258 tokens
     args, accelerator, tokenizer, model = setup()
     _, batch, _ = rollout(model, tokenizer, accelerator, temperature)
     upstream = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1)) * batch.mask
     results = []
-    for compute in (lambda m: token_logprobs(m, batch.input_ids, batch.attention_mask, batch.prompt_width,
-                                             temperature, with_entropy=True, chunk_tokens=7),
-                    lambda m: full_vocabulary_logprobs(m, batch.input_ids, batch.attention_mask, batch.prompt_width,
-                                                       temperature, with_entropy=True)):
+    for compute in (grpo.token_logprobs, full_vocabulary_logprobs):
         copied = copy.deepcopy(model)
-        logp, entropy = compute(copied)
+        logp, entropy = compute(copied, batch, temperature, accelerator, with_entropy=True)
         (upstream * logp).sum().backward()
         results.append((logp.detach(), entropy, {name: p.grad for name, p in copied.named_parameters()}))
     (logp, entropy, grads), (expected_logp, expected_entropy, expected_grads) = results
@@ -59,28 +101,38 @@ def test_the_models_logprobs_entropies_and_gradients_are_the_full_vocabularys(te
     assert grads.keys() == expected_grads.keys() and "model.embed_tokens.weight" in grads
     for name, grad in grads.items():  # float32 rounding, bounded relative to the gradient's scale (its largest
         # entry), not entry by entry: sums run in another order, and d log pi / d h = (W_t - sum_v p_v W_v) / T cancels
-        # when the sampled token's probability is near 1 (both implementations; measured: <= 1.5e-5 of the scale)
+        # when the sampled token's probability is near 1 (measured: <= 1.5e-5 of the scale)
         scale = expected_grads[name].abs().max()
         assert (grad - expected_grads[name]).abs().max() <= 5e-5 * scale, name
 
 
-def test_the_output_layer_is_restored_and_no_grad_keeps_no_graph():
+def test_no_vocabulary_wide_tensor_is_kept_for_the_backward_pass():
+    """Every tensor autograd keeps for the backward pass, outside the checkpointed chunks (which keep only their
+    inputs and recompute the rest): none holds more than one row of V numbers per sequence (the model's own output
+    layer runs on one position, logits_to_keep=1), so the kept memory grows with B x T x H, not B x T x V."""
     _, accelerator, tokenizer, model = setup()
     _, batch, _ = rollout(model, tokenizer, accelerator, 1.0)
-    head = model.lm_head
+    V, kept = model.config.vocab_size, []
+
+    def pack(tensor):
+        kept.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logp, _ = grpo.token_logprobs(model, batch, 1.0, accelerator)
+    parameters = {p.data_ptr() for p in model.parameters()}
+    wide = [tuple(t.shape) for t in kept if t.shape and t.shape[-1] == V and t.data_ptr() not in parameters
+            and t.numel() > len(batch) * V]
+    assert kept and not wide, wide
     with torch.no_grad():
-        logp, entropy = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
-    assert model.lm_head is head and entropy is None and not logp.requires_grad
-    with pytest.raises(RuntimeError, match="boom"):  # a failing forward still puts the output layer back
-        model.model.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
-        token_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
-    assert model.lm_head is head
+        logp, entropy = grpo.token_logprobs(model, batch, 1.0, accelerator)
+    assert entropy is None and not logp.requires_grad
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_and_names():
     """Every decoder layer recomputed in the backward pass: the same log-probs and gradients bit for bit (the same
     kernels on the same shapes), the rollout's decode loop unchanged, and the state dict under the model's names."""
-    from utils.models import gradient_checkpointing
+    from plumbing.models import gradient_checkpointing
 
     args, accelerator, tokenizer, model = setup()
     torch.manual_seed(0)
@@ -94,7 +146,18 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_names():
     assert torch.equal(batch.input_ids, batch_again.input_ids)
     grads = []
     for m in (model, checkpointed):
-        logp, _ = token_logprobs(m, batch.input_ids, batch.attention_mask, batch.prompt_width, 1.0)
+        logp, _ = grpo.token_logprobs(m, batch, 1.0, accelerator)
         (logp * batch.mask).sum().backward()
         grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in m.named_parameters()})
     assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+
+
+def test_every_script_and_the_memory_estimate_chunk_alike():
+    """The start-up estimate (plumbing/memory.py) counts the chunk every script computes."""
+    import importlib
+
+    from plumbing import memory
+    from tests.test_shared_blocks import SCRIPTS
+
+    for script in SCRIPTS:
+        assert importlib.import_module(script[:-3]).CHUNK_BYTES == memory.CHUNK_BYTES, script

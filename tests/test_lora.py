@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 import grpo
 from tests.helpers import SMALL, resolved, run_grpo, two_processes
 from tests.test_engine import logprobs, rollout, setup
-from utils.lora import AdaptersOff, merged_weights
-from utils.models import for_training
+from plumbing.lora import AdaptersOff, merged_weights
+from plumbing.models import for_training
 
 
 def lora_policy(rank=4):
@@ -34,12 +34,25 @@ def test_the_reference_is_the_base_model_exactly_before_and_after_updates():
     assert torch.equal(logprobs(policy, batch, 1.0, 8), expected)  # the adapted policy starts as the base model
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):  # updates move the adapters, not the base weights
-        logp, _ = grpo.token_logprobs(policy, batch, 1.0)
+        logp, _ = grpo.token_logprobs(policy, batch, 1.0, accelerator)
         (-(logp * batch.mask).sum()).backward()
         optimizer.step()
         optimizer.zero_grad()
     assert not torch.allclose(logprobs(policy, batch, 1.0, 8), expected, atol=1e-3)  # the policy moved
     assert torch.equal(logprobs(reference, batch, 1.0, 8), expected)  # its reference did not
+
+
+def test_the_reference_holds_no_weights_of_its_own():
+    """The adapters-off reference is the policy itself: it registers no parameter, so the start-up memory estimate
+    counts the base model once (frozen in the policy), not twice; its output layer and config are the base model's."""
+    from plumbing.memory import trainer_memory
+
+    args, accelerator, tokenizer, base, policy = lora_policy()
+    reference = AdaptersOff(policy, policy)
+    assert list(reference.parameters()) == [] and reference.get_output_embeddings() is policy.get_output_embeddings()
+    assert reference.config is policy.config
+    with_reference = trainer_memory(accelerator, [policy], [reference], 8, 64, 48)
+    assert with_reference == trainer_memory(accelerator, [policy], [None], 8, 64, 48)
 
 
 def test_only_the_adapters_train():
@@ -75,7 +88,7 @@ def test_merged_weights_under_gradient_checkpointing():
     """Checkpointing wraps every decoder layer (its modules gain a `_checkpoint_wrapped_module.` in their names, the
     state dict does not): the merge finds each adapted layer all the same, as with --gradient_checkpointing auto on
     every pretrained model."""
-    from utils.models import gradient_checkpointing
+    from plumbing.models import gradient_checkpointing
 
     args, accelerator, tokenizer, base, policy = lora_policy()
     with torch.no_grad():

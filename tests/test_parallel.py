@@ -1,4 +1,4 @@
-"""utils/parallel.py: the weights the engine gets (names under the wrappers a run may add),
+"""plumbing/parallel.py: the weights the engine gets (names under the wrappers a run may add),
 the vLLM versions the engine code accepts, and a free port for an engine of its own."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from accelerate import Accelerator
 
 from tests.test_engine import setup
-from utils.parallel import check_vllm, free_port, policy_weights
+from plumbing.parallel import check_vllm, free_port, policy_weights
 
 
 def test_policy_weights_are_the_models_names_under_any_wrapper():
@@ -51,13 +51,13 @@ def test_free_ports_differ_and_are_free():
 
 def test_an_unsupported_vllm_stops_the_run_before_its_engine_starts(monkeypatch):
     """check_run_args (every script's resolve_args) reads the installed version: one line before any model loads."""
-    import utils.checks
-    from utils.runs import RunArgs
+    import plumbing.run
+    from plumbing.run import RunArgs
 
-    monkeypatch.setattr(utils.checks, "vllm_version", lambda: "0.20.1")
+    monkeypatch.setattr(plumbing.run, "vllm_version", lambda: "0.20.1")
     with pytest.raises(ValueError, match="vLLM 0.20.1 is installed"):
-        utils.checks.check_run_args(RunArgs(engine="vllm"), total_steps=10)
-    utils.checks.check_run_args(RunArgs(engine="hf"), total_steps=10)  # the HF engine needs none
+        plumbing.run.check_run_args(RunArgs(engine="vllm"), total_steps=10)
+    plumbing.run.check_run_args(RunArgs(engine="hf"), total_steps=10)  # the HF engine needs none
 
 
 class RecordingLLM:
@@ -84,8 +84,8 @@ def test_a_sleeping_engine_wakes_with_the_trainers_cache_emptied_first(monkeypat
     peak can leave them no room), the weights pushed whole, the prefix cache reset, the cache emptied again before the
     KV cache wakes; a level-2 sleep drops the weights, so the next rollout pushes again. The default level is 2."""
     import grpo
-    from utils.engine import Engine
-    from utils.runs import RunArgs
+    from plumbing.engine import Engine
+    from plumbing.run import RunArgs
 
     _, accelerator, _, model = setup()
     calls = []
@@ -101,7 +101,7 @@ def test_a_sleeping_engine_wakes_with_the_trainers_cache_emptied_first(monkeypat
 
 
 def test_the_gap_alarm_warns_then_stops(tmp_path):
-    from utils.runs import RunArgs, check_logprob_gap
+    from plumbing.run import RunArgs, check_logprob_gap
 
     lines, run = [], RunArgs()
     check_logprob_gap({"step": 4, "rollout/logprob_gap_mean": 0.05}, run, lines.append, str(tmp_path))

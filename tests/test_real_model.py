@@ -10,7 +10,7 @@ import pytest
 
 import grpo
 from tests.helpers import resolved, run_grpo, two_processes
-from utils import models
+from plumbing import models
 
 TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
 TINY = ["--model", "smollm2-135m", "--task", TASK, "--prompts_per_step", "2", "--num_generations", "2",

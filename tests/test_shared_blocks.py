@@ -1,7 +1,7 @@
 """The algorithm scripts are copies of grpo.py (cleanrl style): every block under a `# ---- Name ----` header that does
 not depend on the algorithm must be the same text in every script, so a fix to a shared block is made in all of them
 or in none; so must every Args field outside the algorithm's own group (its default and its doc; the flags of the run's
-plumbing are one dataclass, utils/runs.py RunArgs, every Args's last field). What may differ is listed here, with
+plumbing are one dataclass, plumbing/run.py RunArgs, every Args's last field). What may differ is listed here, with
 the scripts where it may. The scripts are the repository root's .py files with block headers."""
 
 import dataclasses
@@ -20,6 +20,9 @@ ARGS_FIELD = re.compile(r"^    (\w+): .*\n(?:    \"\"\"(?:[^\"]|\"(?!\"\"))*\"\"
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
     "Run setup": ("grpo_tools.py",),  # the tool's output lengthens the context; the prompt has the tool instruction
+    "Rollout batch": ("high_entropy.py",  # + pi_old's entropies
+                      "grpo_async.py",  # + the tokens this step's weights sampled
+                      "ppo.py"),  # + the critic's values and returns
     "Token log-probs": ("high_entropy.py",),  # pi_old's entropies with its log-probs, before the update
     "Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop": (
         "grpo_async.py",  # + generate_partial: generation that stops once enough groups are complete
@@ -137,9 +140,9 @@ def test_shared_args_fields_are_identical_in_every_script():
 
 
 def test_every_script_has_the_run_flags_last_and_redefines_none():
-    """RunArgs (utils/runs.py) holds the run's plumbing, the same in every script: each Args has it as its last field,
+    """RunArgs (plumbing/run.py) holds the run's plumbing, the same in every script: each Args has it as its last field,
     `run`, and no field of its own with one of its names (the same flag would have two meanings)."""
-    from utils.runs import RunArgs
+    from plumbing.run import RunArgs
 
     shared = {field.name for field in dataclasses.fields(RunArgs)}
     for script in SCRIPTS:
@@ -147,7 +150,7 @@ def test_every_script_has_the_run_flags_last_and_redefines_none():
         fields = dataclasses.fields(module.Args)
         assert fields[-1].name == "run" and fields[-1].default_factory is RunArgs, script
         redefined = shared & {field.name for field in fields}
-        assert not redefined, f"{script} redefines {sorted(redefined)}: change them in utils/runs.py RunArgs"
+        assert not redefined, f"{script} redefines {sorted(redefined)}: change them in plumbing/run.py RunArgs"
 
 
 def test_a_one_line_change_is_caught():
@@ -171,7 +174,7 @@ def test_help_documents_every_argument(script, capsys):
         tyro.cli(module.Args, args=["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "usage:" in out
-    from utils.runs import RunArgs
+    from plumbing.run import RunArgs
 
     for field in [*dataclasses.fields(module.Args)[:-1], *dataclasses.fields(RunArgs)]:  # run's flags are flat
         assert "--" + field.name.replace("_", "-") in out or "--" + field.name in out, (script, field.name)

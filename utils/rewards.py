@@ -35,7 +35,7 @@ import time
 from decimal import Decimal
 
 MAX_ANSWER_CHARS = 300  # a longer "answer" scores 0 without being parsed
-MAX_AFTER_BOX = 50  # characters after the box that still count as a well-formatted ending
+MAX_AFTER_BOX = 50  # a well-formatted ending: fewer characters than this after the box (at most 49)
 PLAIN_EXPRESSION = re.compile(r"[-+*/^().0-9\s]+")  # what the plain-expression reader may see: digits and operators
 SPACED_NUMBERS = re.compile(r"[0-9.]\s+[0-9]")  # "72 73": two answers, not one
 NUMBER_IN_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*[0-9]")  # "72 \text{ (or 73)}": a hedge
@@ -82,8 +82,9 @@ EXTRACTORS = {"boxed": extract_boxed, "answer_tags": extract_answer_tag}  # the 
 
 
 def format_reward(text, answer_format):
-    """1.0 if the completion gives exactly one answer in the asked-for form and nothing after it, else 0.0. Only the
-    shape: the scorer also requires the answer to be readable (see answer_is_readable and the workers' parse)."""
+    """1.0 if the completion gives exactly one answer in the asked-for form, else 0.0: one \\boxed{} followed by fewer
+    than MAX_AFTER_BOX characters ("$.", "\\]", a short closing sentence), or one <answer>...</answer> that ends the text.
+    Only the shape: the scorer also requires the answer to be readable (answer_is_readable and the workers' parse)."""
     if answer_format == "boxed":  # a closing "$.", "\\]" or short sentence may follow the box
         span = _last_boxed(text)
         return float(text.count("\\boxed{") == 1 and span is not None and len(text) - span[1] <= MAX_AFTER_BOX)
@@ -291,6 +292,7 @@ class RewardScorer:
     def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024, compare_numbers=True):
         from utils.tasks import TOY_TASKS  # here: utils/tasks.py imports this module
 
+        num_workers = num_workers or default_reward_workers()  # 0: this process's share of the cores
         self.exact = task in TOY_TASKS  # exact match of the tag content
         self.rg_task = task if task.startswith("rg:") else None  # checked by reasoning-gym's own verifier
         self.compare_numbers = compare_numbers and not self.rg_task  # settle plain numbers here (False: every check

@@ -1,11 +1,53 @@
-"""The HF rollout engine, for CPUs and runs without vLLM: a decode loop over the policy's own forward pass and KV
-cache that samples as vLLM does (tempered top-p nucleus, the log-prob of each drawn token under that distribution).
-The algorithm scripts use it when no vLLM engine runs (utils/engine.py starts vLLM); their vLLM path (wake, push,
-generate, sleep) is in each script's generate(), beside its call to this loop."""
+"""The rollout engines a script samples from: how the colocated vLLM engine is started (what a script does with it,
+wake it, push the policy's weights, generate, put it back to sleep, is written in the script: its generate() under the
+"Rollout engine" header), and the HF decode loop, for CPUs and runs without vLLM: a loop over the policy's own forward
+pass and KV cache that samples as vLLM does (tempered top-p nucleus, the log-prob of each drawn token under that
+distribution). Both give a script the same Samples."""
 
+import importlib.util
+import os
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+
+from plumbing.parallel import free_port
+
+
+@dataclass
+class Engine:
+    """The rollout engine: a colocated vLLM engine (llm), or, when llm is None, the HF decode loop over the policy."""
+    stop_ids: list  # token ids that end a completion
+    llm: object = None
+    asleep: bool = False  # uses sleep mode (GPU): woken for each rollout, put back to sleep after it (not a state)
+    sleep_level: int = 2
+    weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
+
+
+def create_engine(run, model, seed, max_model_len, stop_ids):
+    """One in-process vLLM engine per rank (external_launcher) for `model`, sampling with `seed`, holding prompt and
+    completion in max_model_len tokens; or the HF decode loop (--engine hf, or no CUDA or no vLLM). run: the run's
+    engine flags (--engine, --vllm_gpu_memory_utilization, --vllm_sleep_level). Both end a completion at its first
+    stop token. seed and max_model_len are vLLM's only."""
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if run.engine == "hf" or (run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+        return Engine(stop_ids)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        os.environ.setdefault(key, value)  # a plain `python grpo.py` is a world of one
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"gpu_memory_utilization": run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
+        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
+    # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
+    llm = LLM(model, distributed_executor_backend="external_launcher", seed=seed, dtype="bfloat16" if on_gpu else
+              "float32", max_model_len=max_model_len, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+              **extra)
+    if on_gpu:
+        llm.sleep(level=run.vllm_sleep_level)
+    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=run.vllm_sleep_level)
 
 
 class Sample(NamedTuple):
@@ -23,7 +65,7 @@ class HFDecoder:
     benchmarks/hf_decode.py). Under FSDP every rank runs every forward pass (each gathers the weights): a rank whose
     rows are done keeps a dummy row until every rank is done. `budgets`: each row's own limit of new tokens (a
     continued completion has fewer left; None: max_new_tokens for every row). Rollouts of another shape subclass it
-    (utils/partial_rollouts.py, grpo_tools.py) and override the two hooks below; here they change nothing."""
+    (plumbing/partial_rollouts.py, grpo_tools.py) and override the two hooks below; here they change nothing."""
 
     def __init__(self, stop_ids, budgets=None):
         self.stop_ids, self.budgets = stop_ids, budgets

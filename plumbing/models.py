@@ -101,10 +101,10 @@ def convert_gguf(path, folder):
 
 
 def for_training(model, run, model_name, trainable=()):
-    """The model as the run trains it: with LoRA adapters when --lora_rank > 0 (utils/lora.py; `trainable`: modules
+    """The model as the run trains it: with LoRA adapters when --lora_rank > 0 (plumbing/lora.py; `trainable`: modules
     that train whole beside them), and gradient checkpointing as --gradient_checkpointing says."""
     if run.lora_rank:
-        from utils.lora import apply_lora
+        from plumbing.lora import apply_lora
 
         model = apply_lora(model, run.lora_rank, run.lora_alpha or 32, trainable)
     return gradient_checkpointing(model, run.gradient_checkpointing, model_name)

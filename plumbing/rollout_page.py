@@ -1,19 +1,21 @@
 """The rollout page (--html_every N): <run>/rollouts/step_N.html, a static self-contained page (no script, no network)
 of a few groups of one training step: the prompt, each completion's reward parts and advantage, and every completion
-token coloured by the weight the loss gave its log-prob, with the token's numbers on hover. Every script writes it
-through TokenRecorder: its update_policy hands each micro-batch of the last epoch to record(), its loop calls write().
+token coloured by the weight the loss gave its log-prob, with the token's numbers on hover. A script's loop calls
+write_rollout_page with its rollout batch and what its update_policy returned: each micro-batch of the last epoch as
+the loss took it.
 
 The weight of token t is read from the script's own loss, whatever the algorithm:
 
     weight_t = -dL/d log pi_theta(o_t) * N
 
-L: the micro-batch's share of its mini-batch's loss (compute_loss, called again on detached log-probs: the model is
-not involved); N: the mini-batch's trained tokens over all processes. Under a token-mean loss weight_t is the
-advantage times the algorithm's ratio/clip/mask factor (seq-mean-token-mean scales it by N / (B |o_i|)); a clipped or
-masked token's policy-gradient weight is 0 (grey on the page). The policy-gradient part alone (pg_weight) is the same
-with beta = 0; the rest is the KL term's."""
+L: the micro-batch's share of its mini-batch's loss (the script's compute_loss, called again here on the log-probs
+the step computed: the model is not involved); N: the mini-batch's trained tokens over all processes. Under a
+token-mean loss weight_t is the advantage times the algorithm's ratio/clip/mask factor (seq-mean-token-mean scales it
+by N / (B |o_i|)); a clipped or masked token's policy-gradient weight is 0 (grey on the page). The script passes its
+loss as functions of the loss's inputs: "weight" (the whole loss) and, where the loss has a KL term, "pg_weight" (the
+policy-gradient part alone; the difference is the KL term's). A loss that draws at random (Clip-Cov) draws again here,
+from its own stream: the run's random state is left as it was."""
 
-import dataclasses
 import html
 import json
 import os
@@ -24,65 +26,63 @@ import torch
 DIGITS = 4  # significant digits of the numbers shown (the data block holds them in full)
 
 
-class TokenRecorder:
-    """The per-token quantities of rows [first_row, first_row + num_rows) of one process's rollout batch, as the
-    loss saw them in the last epoch (the most off-policy pass: with mu > 1, ratios differ from 1 there)."""
-
-    def __init__(self, first_row, num_rows):
-        self.first_row, self.num_rows, self.rows = first_row, num_rows, {}
-
-    def record(self, rows, mc, logp, entropy, old_logp, advantages, compute_loss, counts, args):
-        """rows: the batch rows of micro-batch mc; the rest: what update_policy passed to compute_loss, and the
-        current policy's entropy (B, T)."""
-        keep = [i for i, row in enumerate(rows.tolist()) if self.first_row <= row < self.first_row + self.num_rows]
-        if not keep:
-            return
-        weights = {"weight": token_weights(compute_loss, logp, old_logp, mc.ref_logp, advantages, mc.mask, counts,
-                                           args)}
-        beta = getattr(args, "beta", 0.0)  # dapo.py has no KL term
-        weights["pg_weight"] = weights["weight"] if not beta else token_weights(
-            compute_loss, logp, old_logp, mc.ref_logp, advantages, mc.mask, counts, dataclasses.replace(args, beta=0.0))
-        num_seqs, num_tokens = (int(c) for c in counts)
-        for i in keep:
-            length = int(mc.attention_mask[i, mc.prompt_width:].sum())  # the completion's tokens, tool output too
-            per_token = {"token_id": mc.input_ids[i, mc.prompt_width:mc.prompt_width + length], "mask": mc.mask[i],
-                         "logp": logp[i], "old_logp": old_logp[i], "engine_logp": mc.engine_logp[i],
-                         "entropy": entropy[i], "advantage": mc.advantages[i], "advantage_used": advantages[i],
-                         **{name: w[i] for name, w in weights.items()}}
-            if mc.ref_logp is not None:
-                per_token["ref_logp"] = mc.ref_logp[i]
-            self.rows[int(rows[i])] = {"num_seqs": num_seqs, "num_tokens": num_tokens, **{
-                name: value.detach()[:length].tolist() for name, value in per_token.items()}}
-
-    def write(self, run_dir, step, tokenizer, prompts, rewards, truncated, group_size):
-        """Write <run_dir>/rollouts/step_<step>.html -> its path. prompts (text), rewards ({part: value}),
-        truncated: per row of the process's batch; group_size: completions per prompt."""
-        rows = [dict(row=r, prompt=prompts[r], truncated=bool(truncated[r]), **{k: float(v[r]) for k, v in
-                rewards.items()}, **self.rows[r]) for r in sorted(self.rows)]
-        for row in rows:
-            row["text"] = [tokenizer.decode([t]) for t in row["token_id"]]
-        path = os.path.join(run_dir, "rollouts", f"step_{step}.html")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.write(page_html(os.path.basename(sys.argv[0]), step, rows, list(rewards), group_size))
-        os.replace(path + ".tmp", path)
-        return path
+def write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, losses, prompts, rewards, truncated, group_size,
+                       groups):
+    """Write <run_dir>/rollouts/step_<step>.html for the last `groups` groups of this process's rollout batch -> its
+    path. batch: the step's (input_ids, attention_mask, prompt_width, mask, engine_logp, advantages, ref_logp);
+    last_epoch: the dicts update_policy returned (rows, logp, entropy, old_logp, advantages, counts: what compute_loss
+    took); losses: {"weight": f[, "pg_weight": f]}, each f(logp, old_logp, ref_logp, advantages, mask, counts) ->
+    (loss, ...);    prompts (text), rewards ({part: value}), truncated: per row of the batch; group_size: completions per prompt."""
+    first = len(batch.mask) - min(len(batch.mask), groups * group_size)
+    recorded = {}
+    for inputs in last_epoch:
+        keep = [i for i, row in enumerate(inputs["rows"].tolist()) if row >= first]
+        if keep:
+            recorded.update(token_rows(batch, inputs, losses, keep))
+    rows = [dict(row=r, prompt=prompts[r], truncated=bool(truncated[r]), **{k: float(v[r]) for k, v in
+            rewards.items()}, **recorded[r]) for r in sorted(recorded)]
+    for row in rows:
+        row["text"] = [tokenizer.decode([t]) for t in row["token_id"]]
+    path = os.path.join(run_dir, "rollouts", f"step_{step}.html")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(page_html(os.path.basename(sys.argv[0]), step, rows, list(rewards), group_size))
+    os.replace(path + ".tmp", path)
+    return path
 
 
-def token_recorder(run, step, batch_rows, group_size, is_main_process):
-    """A TokenRecorder of the batch's last --html_groups groups on a step that writes a page (every --html_every
-    steps, on the main process), else None."""
-    if not (run.html_every and step % run.html_every == 0 and is_main_process):
-        return None
-    num_rows = min(batch_rows, run.html_groups * group_size)
-    return TokenRecorder(batch_rows - num_rows, num_rows)
+def token_rows(batch, inputs, losses, keep):
+    """{batch row: its per-token numbers} for the rows `keep` (positions in inputs["rows"]) of one micro-batch."""
+    rows, logp, old_logp, advantages, counts = (inputs[k] for k in ("rows", "logp", "old_logp", "advantages",
+                                                                    "counts"))
+    width = logp.shape[1]
+    mask, ref_logp = batch.mask[rows, :width], None if batch.ref_logp is None else batch.ref_logp[rows, :width]
+    with torch.random.fork_rng(devices=[]):  # a loss that draws (Clip-Cov) leaves the run's random stream alone
+        weights = {name: token_weights(loss, logp, old_logp, ref_logp, advantages, mask, counts)
+                   for name, loss in losses.items()}
+    weights.setdefault("pg_weight", weights["weight"])  # a loss without a KL term is all policy gradient
+    num_seqs, num_tokens = (int(c) for c in counts)
+    out = {}
+    for i in keep:
+        row = int(rows[i])
+        length = int(batch.attention_mask[row, batch.prompt_width:].sum())  # the completion's tokens, tool output too
+        per_token = {"token_id": batch.input_ids[row, batch.prompt_width:batch.prompt_width + length],
+                     "mask": mask[i], "logp": logp[i], "old_logp": old_logp[i],
+                     "engine_logp": batch.engine_logp[row, :width], "entropy": inputs["entropy"][i],
+                     "advantage": batch.advantages[row, :width], "advantage_used": advantages[i],
+                     **{name: w[i] for name, w in weights.items()}}
+        if ref_logp is not None:
+            per_token["ref_logp"] = ref_logp[i]
+        out[row] = {"num_seqs": num_seqs, "num_tokens": num_tokens, **{
+            name: value.detach()[:length].tolist() for name, value in per_token.items()}}
+    return out
 
 
-def token_weights(compute_loss, logp, old_logp, ref_logp, advantages, mask, counts, args):
-    """-dL/d logp * N, (B, T), through compute_loss on a detached copy of logp."""
+def token_weights(loss_function, logp, old_logp, ref_logp, advantages, mask, counts):
+    """-dL/d logp * N, (B, T), through the loss on a detached copy of logp."""
     with torch.enable_grad():
         logp = logp.detach().requires_grad_()
-        loss = compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args)[0]
+        loss = loss_function(logp, old_logp, ref_logp, advantages, mask, counts)[0]
         (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
     return torch.zeros_like(logp) if grad is None else -grad * counts[1]
 

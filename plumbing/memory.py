@@ -14,8 +14,9 @@ a micro-batch of which b x T are completion tokens, L decoder layers of width H,
   activations  b S L a                 a = A (7 H + 2 K + 4 I) bytes per token and layer: the tensors a Llama/Qwen
                                        layer keeps for its backward pass (A = 4 in float32, 2 under bf16);
                                        with gradient checkpointing b S (L A' H + a), A' the residual stream's bytes
-  log-probs    b T H 4 + 2 C V 4       the hidden states the output layer reads, and one chunk of C = CHUNK_TOKENS
-                                       positions' float32 logits, with the temporaries of their log-sum-exp
+  log-probs    b T H 4 + 3 C V 4       the hidden states the output layer reads, and one chunk of C positions'
+                                       float32 logits (C V 4 <= CHUNK_BYTES, and C <= b T), their log-softmax and its
+                                       gradient (the chunk's backward pass, which recomputes them)
   scratch      8 M / W                 the step's temporaries once the activations are freed: AdamW's per-parameter
                                        step (a CPU's) holds two of the largest parameter's size (sqrt of the second
                                        moment, then its quotient), as a tied embedding's backward does (its two
@@ -29,7 +30,7 @@ begins: the peak is the larger of the two on top of the state. benchmarks/memory
 
 import torch
 
-from utils.logprobs import CHUNK_TOKENS
+CHUNK_BYTES = 2**28  # the scripts' CHUNK_BYTES: one chunk's float32 logits (a test keeps them equal)
 
 GB = 2**30
 
@@ -53,8 +54,8 @@ def estimate(config, trained, largest, frozen, micro_batch, seq_len, completion_
     activations = tokens * (L * 4 * H + per_layer_token) if checkpointing else tokens * L * per_layer_token
     parts = {"weights": 4 * (trained + frozen) / shard, "gradients": 4 * trained / shard,
              "optimizer": 8 * trained / shard, "activations": activations,
-             "logprobs": micro_batch * completion_len * H * 4 + min(CHUNK_TOKENS, micro_batch * completion_len) *
-             config.vocab_size * 4 * 2,
+             "logprobs": micro_batch * completion_len * H * 4 + 3 * 4 * config.vocab_size * min(
+                 max(1, CHUNK_BYTES // (4 * config.vocab_size)), micro_batch * completion_len),
              "scratch": (4 * trained if cuda else 8 * largest) / shard}
     parts["total"] = (parts["weights"] + parts["gradients"] + parts["optimizer"] +
                       max(parts["activations"] + parts["logprobs"], parts["scratch"]))

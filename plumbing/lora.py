@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from utils.models import plain_name
+from plumbing.models import plain_name
 
 PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's own parameter names
 
@@ -57,20 +57,29 @@ def merged_weights(model, gather=lambda tensor: tensor, state=None):
 
 class AdaptersOff(torch.nn.Module):
     """The reference model of a LoRA run: the policy itself, called with its adapters switched off (pi_ref is the base
-    model, no second copy). `module` is the policy as prepared (DDP, FSDP2), so its wrappers still run."""
+    model, no second copy: it holds no parameters of its own, so no estimate counts them twice). The policy is called
+    as prepared (DDP, FSDP2), so its wrappers still run; its output layer and config are the base model's."""
 
     def __init__(self, policy, peft_model):
         super().__init__()
-        self.module, self.peft_model = policy, [peft_model]  # a list: not registered as a second submodule
+        self.models = [policy, peft_model]  # a list: neither is registered as a submodule
 
     def forward(self, *args, **kwargs):
-        with self.peft_model[0].disable_adapter():
-            return self.module(*args, **kwargs)
+        policy, peft_model = self.models
+        with peft_model.disable_adapter():
+            return policy(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.models[1].get_output_embeddings()
+
+    @property
+    def config(self):
+        return self.models[1].config
 
 
 def save_adapters_only(accelerator):
     """accelerate's checkpoints of a LoRA run keep the trained parameters alone (the adapters, a value head): the
-    frozen base weights are the --model's, reloaded on resume (utils.runs.load_checkpoint loads non-strictly and
+    frozen base weights are the --model's, reloaded on resume (plumbing.run.load_checkpoint loads non-strictly and
     checks every trained parameter was in the checkpoint)."""
     def keep_trained(models, weights, output_dir):
         for model, state in zip(models, weights):

