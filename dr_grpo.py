@@ -322,7 +322,7 @@ def micro_batches(batch, size):
 # ---- Token log-probs ------------------------------------------------------------------------------------------------
 
 
-CHUNK_BYTES = 2**28  # a chunk's float32 logits: 256 MiB (441 positions of Qwen's 151,936-token vocabulary)
+CHUNK_BYTES = 2**27  # a chunk's float32 logits: 128 MiB (220 positions of Qwen's 151,936-token vocabulary)
 
 
 def token_logprobs(model, batch, temperature, accelerator, with_entropy=False):
@@ -352,11 +352,12 @@ def output_logprobs(model, hidden, tokens, temperature, accelerator, with_entrop
         if softcap:  # Gemma 2 caps its logits: cap tanh(z / cap)
             z = softcap * torch.tanh(z / softcap)
         logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (x / 1.0 is x: skipped)
+        del z  # freed here: the chunk's forward holds at most two (positions, V) tensors, its backward three
         logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
         if not with_entropy:
             return logp, None
         with torch.no_grad():  # sum_v p_v (logsumexp(z) - z_v): accurate in float32 even when one p_v is near 1
-            return logp, -(logp_all.exp() * logp_all).sum(-1)
+            return logp, -torch.linalg.vecdot(logp_all.exp(), logp_all)
 
     (B, T, H), size = hidden.shape, max(1, CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
     chunks = [checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, t) for h, t in

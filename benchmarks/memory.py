@@ -21,7 +21,7 @@ under torch's MemTracker: its tensor peak is the most bytes the step's tensors h
 optimizer state, activations, temporaries), what torch.cuda.max_memory_allocated measures on a GPU. The estimate is
 checked against both; it is a function of the case alone, so --reuse recomputes it for measurements read back.
 The per-token cost is the slope over T; it is the marginal cost only above a chunk's positions (grpo.py's
-CHUNK_BYTES of float32 logits: 441 positions at these models' vocabulary), below which the log-prob chunk itself grows
+CHUNK_BYTES of float32 logits: 220 positions at these models' vocabulary), below which the log-prob chunk itself grows
 with T. Cases run interleaved, so the time ratios compare steps measured
 under the same load. The depth is cut to --layers on a CPU (the output layer and the per-layer
 terms are the same at any depth; the estimate takes the depth into account).
@@ -46,7 +46,7 @@ SHAPES = {  # the models' configs (Hugging Face), vocabulary included
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,  # a check in
                  num_key_value_heads=2, vocab_size=131072, tie_word_embeddings=True),  # seconds (the tests); its
-}  # vocabulary makes a log-prob chunk 512 positions, so 1024 completion tokens span two
+}  # vocabulary makes a log-prob chunk 256 positions, so 1024 completion tokens span four
 MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b"]  # the default
 RECIPES = {  # docs/running.md's recipes, on 8 GPUs (bf16, gradient checkpointing): what their runs print at start
     "gsm8k": ("qwen2.5-0.5b", dict(micro_batch=8, prompt=512, completion=512, reference=True, fsdp=False)),
