@@ -23,11 +23,17 @@ log-probs, and A_t is its sequence's advantage. The fractions default to the pap
 7B runs). The loss around the selection is grpo.py's (1/|o_i| per completion, then the mean over completions); the
 paper's runs used verl's token-mean, a change this file leaves to dapo.py's and lite_ppo.py's diffs.
 
-What `diff grpo.py clip_cov.py` shows: the two methods' flags and checks, covariance_tokens, and compute_loss's
-selection with its metric (policy/cov_selected_frac).
+With --tis_cap (the engine/trainer correction, off by default) the bounded weight w = pi_old / pi_engine reaches
+compute_loss apart from A: the selection ranks Cov(log pi, A), and w then multiplies each token's whole policy loss
+(KL-Cov's penalty too, as verl applies its rollout weights); grpo.py folds w into A, which only a selection on A tells
+apart.
+
+What `diff grpo.py clip_cov.py` shows: the two methods' flags and checks, covariance_tokens, compute_loss's
+selection with its metric (policy/cov_selected_frac), and update_policy giving compute_loss the weights apart.
 """
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -45,7 +51,7 @@ from plumbing.memory import memory_line, trainer_memory
 from plumbing.models import for_training, load_tokenizer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
 from plumbing.rollout_page import write_rollout_page
-from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_lengths, check_logprob_gap,
+from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_logprob_gap, check_model_config,
                           check_model_and_task, check_positive, check_run_args, close_metrics, largest_divisor,
                           load_checkpoint, log_step, open_metrics, quiet_libraries, resume_checkpoint, run_name,
                           save_checkpoint, save_model, set_mmap_threshold, step_metrics, write_eval_only)
@@ -172,14 +178,16 @@ def covariance_tokens(logp, advantages, mask, frac, bounds=None, eligible=None):
     return selected
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args, tis_weights=None):
     """-J(theta) on one micro-batch, as its share of the optimizer mini-batch's loss: summed over the mini-batch's
     micro-batches and processes, the shares give that loss exactly.
 
     logp (B, T), with gradient; old_logp, ref_logp (None when beta = 0), mask, advantages: (B, T) (A_i on each token
     of completion i). counts = (num_seqs, num_tokens): the completions and tokens of the whole mini-batch, over
     every micro-batch and process. args: the flags of the loss (--method, --clip_cov_frac, --kl_cov_frac, --clip_eps,
-    --beta). Returns (loss, means: statistics as shares of their mini-batch mean, maxes)."""
+    --beta). tis_weights (B, T), --tis_cap's bounded pi_old / pi_engine, or None: they multiply each token's policy
+    loss after the selection, which ranks Cov(log pi, A) on the advantages alone (arXiv 2505.22617 Eq. 11), not on
+    A w. Returns (loss, means: statistics as shares of their mini-batch mean, maxes)."""
     num_seqs, num_tokens = counts
     log_ratio = (logp - old_logp).clamp(-20, 20)  # exp() stays finite: an inf ratio, even masked, makes the loss NaN
     ratio = torch.exp(log_ratio)
@@ -192,6 +200,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
     else:  # KL-Cov: the unclipped surrogate, held near pi_old on the highest-covariance tokens only
         selected = covariance_tokens(logp, advantages, mask, args.kl_cov_frac)
         per_token = -unclipped + KL_COV_COEF * log_ratio.abs() * selected
+    if tis_weights is not None:  # the whole per-token policy loss, KL-Cov's penalty too (as verl weights it)
+        per_token = per_token * tis_weights
     if args.beta > 0:
         kl = kl_k3(logp, ref_logp)
         per_token = per_token + args.beta * kl
@@ -268,7 +278,7 @@ def start_run(args):
     run_dir = run_folder(args)
     try:
         args = resolve_args(args, accelerator.num_processes)
-        check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)  # reads the model's config
+        check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens)  # reads its config
         checkpoint = resume_checkpoint(run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(
@@ -550,18 +560,18 @@ def update_policy(args, model, optimizer, batch, accelerator):
                 with gradient_sync(accelerator, model, last_micro_batch=j == len(micro) - 1):  # DDP: in the last only
                     logp, entropy = token_logprobs(model, mc, args.temperature, accelerator, with_entropy=True)
                     old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
-                    advantages = mc.advantages
-                    if args.tis_cap > 0:  # ---- engine/trainer mismatch: the policy gradient weighted by a bounded
-                        # pi_old / pi_engine (a weight w >= 0 on every token factors out of the clipped min)
+                    advantages, w = mc.advantages, None
+                    if args.tis_cap > 0:  # ---- engine/trainer mismatch: each token's policy loss weighted by a
+                        # bounded pi_old / pi_engine, given apart from A: the covariance selection ranks A alone
                         w, bounded = engine_is_weights(old_logp, mc.engine_logp, mc.mask, args.tis_cap, args.tis_mode)
-                        advantages = advantages * w
                         stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
                     loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
-                                                      (num_seqs, num_tokens), args)
+                                                      (num_seqs, num_tokens), args, w)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
                 if epoch == args.num_epochs - 1:  # what the loss took (--html_every draws it)
                     last_epoch.append(dict(rows=rows[micro_rows], logp=logp.detach(), entropy=entropy,
-                                           old_logp=old_logp, advantages=advantages, counts=(num_seqs, num_tokens)))
+                                           old_logp=old_logp, advantages=advantages, counts=(num_seqs, num_tokens),
+                                           tis_weights=w))
                 m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
                 stats.add({**means, "losses/policy": loss.detach(), "losses/entropy": entropy[m].sum() / num_tokens},
                           1 / mu)
@@ -647,7 +657,7 @@ def main(args):
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, failures, {
+        metrics = step_metrics(accelerator, engine, stats, samples, accuracy, formats, rewards, failures, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})
         metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
@@ -661,8 +671,8 @@ def main(args):
                 for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
             if args.run.html_every and step % args.run.html_every == 0:  # each token coloured by its weight in the loss
                 write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, {
-                    "weight": lambda *inputs: compute_loss(*inputs, args),
-                    "pg_weight": lambda *inputs: compute_loss(*inputs, dataclasses.replace(args, beta=0.0))}, [
+                    "weight": functools.partial(compute_loss, args=args),
+                    "pg_weight": functools.partial(compute_loss, args=dataclasses.replace(args, beta=0.0))}, [
                     r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy, "format": formats,
                     "reward": rewards}, [sample.truncated for sample in samples], G, args.run.html_groups)
         check_logprob_gap(metrics, args.run, tqdm.write, run_dir)  # an engine on stale weights stops the run here

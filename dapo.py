@@ -27,6 +27,7 @@ them).
 """
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -44,7 +45,7 @@ from plumbing.memory import memory_line, trainer_memory
 from plumbing.models import for_training, load_tokenizer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
 from plumbing.rollout_page import write_rollout_page
-from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_lengths, check_logprob_gap,
+from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_logprob_gap, check_model_config,
                           check_model_and_task, check_positive, check_run_args, close_metrics, largest_divisor,
                           load_checkpoint, log_step, open_metrics, quiet_libraries, resume_checkpoint, run_name,
                           save_checkpoint, save_model, set_mmap_threshold, step_metrics, write_eval_only)
@@ -280,7 +281,7 @@ def start_run(args):
     run_dir = run_folder(args)
     try:
         args = resolve_args(args, accelerator.num_processes)
-        check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)  # reads the model's config
+        check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens)  # reads its config
         checkpoint = resume_checkpoint(run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(
@@ -693,13 +694,13 @@ def main(args):
                 parts = {name: [x for g in kept for x in g[key]] for name, key in (  # coloured by its loss weight
                     ("accuracy", "accuracy"), ("format", "formats"), ("overlong", "length"), ("reward", "reward"))}
                 write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, {
-                    "weight": lambda *inputs: compute_loss(*inputs, args)}, tokenizer.batch_decode(
+                    "weight": functools.partial(compute_loss, args=args)}, tokenizer.batch_decode(
                     [g["prompt"] for g in kept for _ in range(G)]), parts, [s.truncated for s in samples], G,
                     args.run.html_groups)
         # 3. Log (the rollout's statistics are over every completion generated), evaluate, checkpoint.
         stats.mean({"dapo/informative_group_frac": num_informative / len(seen),
                     "charts/overlong_reward": torch.cat([g["length"] for g in seen]).mean()})
-        metrics = step_metrics(accelerator, stats, [s for g in seen for s in g["samples"]],
+        metrics = step_metrics(accelerator, engine, stats, [s for g in seen for s in g["samples"]],
                                [a for g in seen for a in g["accuracy"]], [f for g in seen for f in g["formats"]],
                                torch.cat([g["task"] for g in seen]), failures, {
                                    "step": time.time() - times["step"], "rollout": times["rollout"],

@@ -23,6 +23,7 @@ grpo.py's policy gradient; it differs only off-policy).
 """
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ from plumbing.memory import memory_line, trainer_memory
 from plumbing.models import for_training, load_tokenizer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
 from plumbing.rollout_page import write_rollout_page
-from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_lengths, check_logprob_gap,
+from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_logprob_gap, check_model_config,
                           check_model_and_task, check_positive, check_run_args, close_metrics, largest_divisor,
                           load_checkpoint, log_step, open_metrics, quiet_libraries, resume_checkpoint, run_name,
                           save_checkpoint, save_model, set_mmap_threshold, step_metrics, write_eval_only)
@@ -230,7 +231,7 @@ def start_run(args):
     run_dir = run_folder(args)
     try:
         args = resolve_args(args, accelerator.num_processes)
-        check_lengths(args.model, args.max_prompt_length, args.max_new_tokens)  # reads the model's config
+        check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens)  # reads its config
         checkpoint = resume_checkpoint(run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(
@@ -609,7 +610,7 @@ def main(args):
             raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
                              f"step (the last checkpoint in {run_dir} is intact)") from None
         # 5. Log, evaluate, checkpoint.
-        metrics = step_metrics(accelerator, stats, samples, accuracy, formats, rewards, failures, {
+        metrics = step_metrics(accelerator, engine, stats, samples, accuracy, formats, rewards, failures, {
             "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
             "score": scoring.waited, "score_hidden": scoring.hidden})
         metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
@@ -623,8 +624,8 @@ def main(args):
                 for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
             if args.run.html_every and step % args.run.html_every == 0:  # each token coloured by its weight in the loss
                 write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, {
-                    "weight": lambda *inputs: compute_loss(*inputs, args),
-                    "pg_weight": lambda *inputs: compute_loss(*inputs, dataclasses.replace(args, beta=0.0))}, [
+                    "weight": functools.partial(compute_loss, args=args),
+                    "pg_weight": functools.partial(compute_loss, args=dataclasses.replace(args, beta=0.0))}, [
                     r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy, "format": formats,
                     "reward": rewards}, [sample.truncated for sample in samples], G, args.run.html_groups)
         check_logprob_gap(metrics, args.run, tqdm.write, run_dir)  # an engine on stale weights stops the run here

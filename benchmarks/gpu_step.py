@@ -76,14 +76,24 @@ def gpu_memory_gb():
     return {"used_gb": (total - free) / 2**30, "allocated_gb": torch.cuda.memory_allocated() / 2**30}
 
 
-def phase_peak_gb():
-    """The CUDA allocator's peak since the last call, GB (None on a CPU); the next phase's peak starts here."""
+def phase_peak_gb(engine_bytes=0):
+    """The CUDA allocator's peak since the last call less the engine's share (a sleeping vLLM engine's tensors stay
+    allocated: plumbing/engine.py's cuda_bytes), GB (None on a CPU); the next phase's peak starts here."""
     if not torch.cuda.is_available():
         return None
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = (torch.cuda.max_memory_allocated() - engine_bytes) / 2**30
     torch.cuda.reset_peak_memory_stats()
     return peak
+
+
+def same_update(a, b):
+    """Whether a repeated update gave the same loss and gradient norm: bit for bit on a CPU (the same kernels on the
+    same data), within 1e-4 relative on a GPU, whose reductions (atomic adds in attention's and the embedding's
+    backward) are not deterministic."""
+    if not torch.cuda.is_available():
+        return a == b
+    return all(abs(x - y) <= 1e-4 * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def run_engine(engine_name, opts, model_dir):
@@ -108,6 +118,8 @@ def run_engine(engine_name, opts, model_dir):
     engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
                            args.max_prompt_length + args.max_new_tokens, stop_ids)
     result["engine_start_s"] = time.time() - start
+    result["engine_cuda_gb"] = engine.cuda_bytes / 2**30  # left out of every peak below
+    held = engine.cuda_bytes
     if engine.llm is not None and engine.asleep:  # what sleep frees: the engine awake, then asleep again
         result["memory_engine_asleep"] = gpu_memory_gb()
         engine.llm.wake_up()
@@ -124,26 +136,26 @@ def run_engine(engine_name, opts, model_dir):
             beta = opts.betas[(step - 1) // len(opts.sleep_levels) % len(opts.betas)]
             step_args = dataclasses.replace(args, beta=beta)
             engine.sleep_level = sleep_level
-            phase_peak_gb()
+            phase_peak_gb(held)
             prompts = torch.randint(3, SHAPES[opts.shape]["vocab_size"], (opts.prompts, opts.prompt_len),
                                     generator=generator).tolist()
             times = {"start": time.time()}
             samples, sync_time = grpo.generate(engine, model, tokenizer, prompts, opts.generations, 1.0, 1.0,
                                                opts.new_tokens, accelerator, policy_version=step - 1)
-            times["rollout"], peaks = time.time(), {"rollout": phase_peak_gb()}
+            times["rollout"], peaks = time.time(), {"rollout": phase_peak_gb(held)}
             batch = make_batch([p for p in prompts for _ in range(opts.generations)], samples,
                                tokenizer.pad_token_id, accelerator.device)
             if beta > 0:
                 batch.ref_logp = grpo.batched_logprobs(ref_model, batch, args.temperature, accelerator, len(batch),
                                                        args.micro_batch_size)
-            times["reference"], peaks["reference"] = time.time(), phase_peak_gb()
+            times["reference"], peaks["reference"] = time.time(), phase_peak_gb(held)
             rewards = torch.randint(0, 2, (len(samples),), generator=generator).float().to(accelerator.device)
             batch.advantages = grpo.compute_advantages(rewards, args)[:, None] * batch.mask
             if step == opts.steps:  # the resume check's starting point: a checkpoint before the last update
                 save_checkpoint(accelerator, model, tokenizer, run_dir, step - 1)
                 checkpoint = os.path.join(run_dir, "checkpoint")
             stats, _ = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
-            times["train"], peaks["train"] = time.time(), phase_peak_gb()
+            times["train"], peaks["train"] = time.time(), phase_peak_gb(held)
             tokens = int(batch.mask.sum().item())
             steps.append({"step": step, "sleep_level": sleep_level if engine.asleep else None, "beta": beta,
                           "rollout_s": times["rollout"] - times["start"], "weight_sync_s": sync_time,
@@ -160,7 +172,7 @@ def run_engine(engine_name, opts, model_dir):
         again, _ = grpo.update_policy(step_args, model, optimizer, batch, accelerator)
         loss, grad_norm = float(again.sums["losses/policy"]), float(again.means["policy/grad_norm"])
         result["resume"] = {"loss": loss, "grad_norm": grad_norm,
-                            "equal": loss == steps[-1]["loss"] and grad_norm == steps[-1]["grad_norm"]}
+                            "equal": same_update((loss, grad_norm), (steps[-1]["loss"], steps[-1]["grad_norm"]))}
     result["steps"] = steps
     later = steps[1:] or steps  # the first step pays compilation and allocator warm-up
     result["median"] = {k: statistics.median(s[k] for s in later) for k in
@@ -260,16 +272,20 @@ def main():
     quiet_libraries()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the H200 wheel set
     results = []
+    os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+
+    def keep(r):  # each engine's result is written as it ends: a later failure (FSDP2's launch) loses none of them
+        results.append(r)
+        with open(opts.out, "a") as f:
+            f.write(json.dumps({"shape": opts.shape, **vars(opts), **r}) + "\n")
+
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(opts.shape, model_dir)
         for engine_name in opts.engines:
-            results.append((run_tail if opts.tail else run_engine)(engine_name, opts, model_dir))
+            keep((run_tail if opts.tail else run_engine)(engine_name, opts, model_dir))
     if opts.fsdp and not opts.tail:
-        results += under_fsdp2(opts)
-    os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-    with open(opts.out, "a") as f:
-        for r in results:
-            f.write(json.dumps({"shape": opts.shape, **vars(opts), **r}) + "\n")
+        for r in under_fsdp2(opts):
+            keep(r)
     if opts.tail:
         print("| engine | device | rollout s sync | async | ratio | decode calls sync | async | trained tokens sync | "
               "async |\n|" + "---|" * 9)
@@ -292,8 +308,8 @@ def main():
 
 
 def under_fsdp2(opts):
-    """The same steps under FSDP2 with one process, each engine in its own launch of this script -> their results."""
-    results = []
+    """The same steps under FSDP2 with one process, each engine in its own launch of this script: yields each
+    launch's results as it ends."""
     for engine_name in opts.engines:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "fsdp2.jsonl")
@@ -308,8 +324,7 @@ def under_fsdp2(opts):
                             "1", "--mixed_precision", "bf16" if torch.cuda.is_available() else "no",
                             "--dynamo_backend", "no", os.path.abspath(__file__), *argv, "--engines", engine_name,
                             "--out", out], check=True)
-            results += [json.loads(line) for line in open(out)]
-    return results
+            yield from (json.loads(line) for line in open(out))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@ class Engine:
     asleep: bool = False  # uses sleep mode (GPU): woken for each rollout, put back to sleep after it (not a state)
     sleep_level: int = 2
     weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
+    cuda_bytes: int = 0  # what torch's CUDA allocator counts for the engine, asleep too (the trainer's figures less it)
+
+
+def uses_vllm(run):
+    """Whether the run samples with vLLM: --engine vllm, or --engine auto with vLLM installed and a GPU."""
+    return run.engine == "vllm" or (run.engine == "auto" and importlib.util.find_spec("vllm") is not None and
+                                    torch.cuda.is_available())
 
 
 def create_engine(run, model, seed, max_model_len, stop_ids):
@@ -29,8 +36,7 @@ def create_engine(run, model, seed, max_model_len, stop_ids):
     completion in max_model_len tokens; or the HF decode loop (--engine hf, or no CUDA or no vLLM). run: the run's
     engine flags (--engine, --vllm_gpu_memory_utilization, --vllm_sleep_level). Both end a completion at its first
     stop token. seed and max_model_len are vLLM's only."""
-    vllm_installed = importlib.util.find_spec("vllm") is not None
-    if run.engine == "hf" or (run.engine == "auto" and not (vllm_installed and torch.cuda.is_available())):
+    if not uses_vllm(run):
         return Engine(stop_ids)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -39,15 +45,17 @@ def create_engine(run, model, seed, max_model_len, stop_ids):
     from vllm import LLM
 
     on_gpu = torch.cuda.is_available()
+    before = torch.cuda.memory_allocated() if on_gpu else 0
     extra = {"gpu_memory_utilization": run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
         "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
     # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
     llm = LLM(model, distributed_executor_backend="external_launcher", seed=seed, dtype="bfloat16" if on_gpu else
               "float32", max_model_len=max_model_len, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
               **extra)
-    if on_gpu:
-        llm.sleep(level=run.vllm_sleep_level)
-    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=run.vllm_sleep_level)
+    if on_gpu:  # sleep unmaps the engine's pages but keeps its tensors: torch's allocator still counts them, and
+        llm.sleep(level=run.vllm_sleep_level)  # every max_memory_allocated() after this includes them
+    held = torch.cuda.memory_allocated() - before if on_gpu else 0
+    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=run.vllm_sleep_level, cuda_bytes=held)
 
 
 class Sample(NamedTuple):

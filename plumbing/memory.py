@@ -9,14 +9,18 @@ a micro-batch of which b x T are completion tokens, L decoder layers of width H,
   peak = weights + gradients + optimizer + max(activations + log-probs, scratch)
 
   weights      4 (P + F) / W          float32 master weights (GPU: bf16 autocast or FSDP2's bf16 compute copies)
-  gradients    4 P / W                float32 (a second micro-batch's forward pass runs beside the first's gradients)
+  gradients    4 P / W                float32 (a second micro-batch's forward pass runs beside the first's gradients;
+                                       DDP's all-reduce buckets hold them: make_accelerator's gradient_as_bucket_view)
   optimizer    8 P / W                AdamW's two moments
   activations  b S L a                 a = A (7 H + 2 K + 4 I) bytes per token and layer: the tensors a Llama/Qwen
                                        layer keeps for its backward pass (A = 4 in float32, 2 under bf16);
                                        with gradient checkpointing b S (L A' H + a), A' the residual stream's bytes
   log-probs    b T H 4 + 3 C V 4       the hidden states the output layer reads, and one chunk of C positions'
-                                       float32 logits (C V 4 <= CHUNK_BYTES, and C <= b T), their log-softmax and its
-                                       gradient (the chunk's backward pass, which recomputes them)
+               (+ 4 V H)               float32 logits (C V 4 <= CHUNK_BYTES, and C <= b T), their log-softmax and its
+                                       gradient (the chunk's backward pass, which recomputes them); where the output
+                                       layer trains (not under LoRA) and b T > C, a later chunk's gradient of its
+                                       weight before autograd adds it into the gradient (the first chunk's becomes
+                                       the gradient itself; a step's later micro-batches hold it for one chunk too)
   scratch      8 M / W                 the step's temporaries once the activations are freed: AdamW's per-parameter
                                        step (a CPU's) holds two of the largest parameter's size (sqrt of the second
                                        moment, then its quotient), as a tied embedding's backward does (its two
@@ -41,9 +45,10 @@ def parameters(model):
 
 
 def estimate(config, trained, largest, frozen, micro_batch, seq_len, completion_len, checkpointing, bf16=False,
-             processes=1, fsdp=False, cuda=False):
+             processes=1, fsdp=False, cuda=False, head_trained=True):
     """Bytes of each part of one process's trainer peak (dict, and "total"), per the module docstring. config: the
-    policy's model config; trained, frozen: parameter counts; largest: the largest trained parameter's count."""
+    policy's model config; trained, frozen: parameter counts; largest: the largest trained parameter's count;
+    head_trained: whether the output layer's weight takes a gradient."""
     shard = processes if fsdp else 1
     act_bytes = 2 if bf16 else 4
     H, I, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -52,10 +57,12 @@ def estimate(config, trained, largest, frozen, micro_batch, seq_len, completion_
     per_layer_token = act_bytes * (7 * H + 2 * K + 4 * I)
     tokens = micro_batch * seq_len
     activations = tokens * (L * 4 * H + per_layer_token) if checkpointing else tokens * L * per_layer_token
+    V = config.vocab_size
+    chunk = min(max(1, CHUNK_BYTES // (4 * V)), micro_batch * completion_len)
     parts = {"weights": 4 * (trained + frozen) / shard, "gradients": 4 * trained / shard,
              "optimizer": 8 * trained / shard, "activations": activations,
-             "logprobs": micro_batch * completion_len * H * 4 + 3 * 4 * config.vocab_size * min(
-                 max(1, CHUNK_BYTES // (4 * config.vocab_size)), micro_batch * completion_len),
+             "logprobs": micro_batch * completion_len * H * 4 + 3 * 4 * V * chunk +
+             (4 * V * H if head_trained and micro_batch * completion_len > chunk else 0),
              "scratch": (4 * trained if cuda else 8 * largest) / shard}
     parts["total"] = (parts["weights"] + parts["gradients"] + parts["optimizer"] +
                       max(parts["activations"] + parts["logprobs"], parts["scratch"]))
@@ -96,7 +103,8 @@ def trainer_memory(accelerator, trained_models, frozen_models, micro_batch, seq_
     trainable = [p.numel() for m in models for p in m.parameters() if p.requires_grad]
     fixed = sum(p.numel() for m in models for p in m.parameters() if not p.requires_grad) + sum(map(parameters, frozen))
     checkpointing = any(type(module).__name__ == "CheckpointWrapper" for module in models[0].modules())
-    config = getattr(accelerator.unwrap_model(models[0]), "config")
-    return estimate(config, sum(trainable), max(trainable), fixed, micro_batch, seq_len, completion_len, checkpointing,
-                    accelerator.mixed_precision == "bf16", accelerator.num_processes, accelerator.is_fsdp2,
-                    torch.cuda.is_available())
+    policy = accelerator.unwrap_model(models[0])
+    head_trained = policy.get_output_embeddings().weight.requires_grad
+    return estimate(policy.config, sum(trainable), max(trainable), fixed, micro_batch, seq_len, completion_len,
+                    checkpointing, accelerator.mixed_precision == "bf16", accelerator.num_processes,
+                    accelerator.is_fsdp2, torch.cuda.is_available(), head_trained)

@@ -23,11 +23,12 @@ def make_accelerator():
     the model in DDP; everything after that switch (fully_shard on the default mesh, here a CPU mesh) is the GPU code."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
     on_gpu = torch.cuda.is_available()
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16")
-                              if on_gpu else "no")
+                              if on_gpu else "no",  # DDP: the gradients are views into its all-reduce buckets,
+                              kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])  # not a copy
     state = accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
         state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables, as on a GPU

@@ -16,6 +16,7 @@ loss as functions of the loss's inputs: "weight" (the whole loss) and, where the
 policy-gradient part alone; the difference is the KL term's). A loss that draws at random (Clip-Cov) draws again here,
 from its own stream: the run's random state is left as it was."""
 
+import functools
 import html
 import json
 import os
@@ -31,8 +32,10 @@ def write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, losses, prom
     """Write <run_dir>/rollouts/step_<step>.html for the last `groups` groups of this process's rollout batch -> its
     path. batch: the step's (input_ids, attention_mask, prompt_width, mask, engine_logp, advantages, ref_logp);
     last_epoch: the dicts update_policy returned (rows, logp, entropy, old_logp, advantages, counts: what compute_loss
-    took); losses: {"weight": f[, "pg_weight": f]}, each f(logp, old_logp, ref_logp, advantages, mask, counts) ->
-    (loss, ...);    prompts (text), rewards ({part: value}), truncated: per row of the batch; group_size: completions per prompt."""
+    took; tis_weights where the script gives them to the loss apart from the advantages, clip_cov.py); losses:
+    {"weight": f[, "pg_weight": f]}, each f(logp, old_logp, ref_logp, advantages, mask, counts[, tis_weights=]) ->
+    (loss, ...); prompts (text), rewards ({part: value}), truncated: per row of the batch; group_size: completions per
+    prompt."""
     first = len(batch.mask) - min(len(batch.mask), groups * group_size)
     recorded = {}
     for inputs in last_epoch:
@@ -57,9 +60,10 @@ def token_rows(batch, inputs, losses, keep):
                                                                     "counts"))
     width = logp.shape[1]
     mask, ref_logp = batch.mask[rows, :width], None if batch.ref_logp is None else batch.ref_logp[rows, :width]
+    tis = {} if inputs.get("tis_weights") is None else {"tis_weights": inputs["tis_weights"]}
     with torch.random.fork_rng(devices=[]):  # a loss that draws (Clip-Cov) leaves the run's random stream alone
-        weights = {name: token_weights(loss, logp, old_logp, ref_logp, advantages, mask, counts)
-                   for name, loss in losses.items()}
+        weights = {name: token_weights(functools.partial(loss, **tis), logp, old_logp, ref_logp, advantages, mask,
+                                       counts) for name, loss in losses.items()}
     weights.setdefault("pg_weight", weights["weight"])  # a loss without a KL term is all policy gradient
     num_seqs, num_tokens = (int(c) for c in counts)
     out = {}
@@ -69,7 +73,8 @@ def token_rows(batch, inputs, losses, keep):
         per_token = {"token_id": batch.input_ids[row, batch.prompt_width:batch.prompt_width + length],
                      "mask": mask[i], "logp": logp[i], "old_logp": old_logp[i],
                      "engine_logp": batch.engine_logp[row, :width], "entropy": inputs["entropy"][i],
-                     "advantage": batch.advantages[row, :width], "advantage_used": advantages[i],
+                     "advantage": batch.advantages[row, :width],
+                     "advantage_used": advantages[i] * tis["tis_weights"][i] if tis else advantages[i],
                      **{name: w[i] for name, w in weights.items()}}
         if ref_logp is not None:
             per_token["ref_logp"] = ref_logp[i]

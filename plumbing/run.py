@@ -19,6 +19,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
+from plumbing.engine import uses_vllm
 from plumbing.lora import check_adapter_checkpoint, is_lora, merged_weights
 from plumbing.models import gguf_file
 from plumbing.parallel import check_vllm
@@ -195,12 +196,25 @@ def set_mmap_threshold(threshold):
 
 
 def quiet_libraries():
-    """No per-save "Removed shared tensor" notes, no loading bars, no note that the tied lm_head is re-tied on load."""
+    """No per-save "Removed shared tensor" notes, no loading bars, no note that the tied lm_head is re-tied on load;
+    and none of two warnings that read like failures on every run: FSDP2's "returned a view tensor" (a hazard only
+    for an in-place op on a module's output, which neither the models nor the scripts make) and vLLM's
+    "RotaryEmbedding: Failed to load weights" at each weight push (the rotary cache is computed, not a weight: vLLM
+    keeps it; any other layer's failure is still shown)."""
+    import warnings
+
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(not_the_rotary_cache)
+
+
+def not_the_rotary_cache(record):
+    """False for vLLM's note that a RotaryEmbedding loaded no weights (a log filter: it drops that record only)."""
+    return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
 def write_eval_only(accelerator, run_dir, model, result):
@@ -289,14 +303,15 @@ def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
     return {k: value for (k, _, _), value in zip(groups, reduced)}
 
 
-def step_metrics(accelerator, stats, samples, accuracy, formats, task_rewards, counts, seconds):
+def step_metrics(accelerator, engine, stats, samples, accuracy, formats, task_rewards, counts, seconds):
     """A step's metrics over every process, with one definition in every script: the rollout's completions (reward,
     accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
     the step's time went and peak memory, beside update_policy's statistics (stats: its sums, means and maxes, the
-    script's StepStats). seconds: "step" (the
-    whole step before evaluation), "rollout" (generating, weight push included), "weight_sync", "score" (waiting on the
-    reward workers), "score_hidden" (scoring that overlapped training); time/train is the rest of the step.
-    rollout/tail_frac is the rollout's (tail_fraction), unless stats.means brings the script's own."""
+    script's StepStats). seconds: "step" (the whole step before evaluation), "rollout" (generating, weight push
+    included), "weight_sync", "score" (waiting on the reward workers), "score_hidden" (scoring that overlapped
+    training); time/train is the rest of the step. rollout/tail_frac is the rollout's (tail_fraction), unless
+    stats.means brings the script's own. memory/cuda_allocated_gb_max is the peak of torch's CUDA allocator less
+    the engine's share (engine.cuda_bytes: a sleeping vLLM engine's tensors stay allocated)."""
     lengths = torch.tensor([float(len(sample.token_ids)) for sample in samples])
     seconds = {**seconds, "train": seconds["step"] - seconds["rollout"] - seconds["score"]}
     return reduce_metrics(accelerator, sums={
@@ -311,7 +326,7 @@ def step_metrics(accelerator, stats, samples, accuracy, formats, task_rewards, c
     }, maxes={
         **stats.maxes, "charts/completion_length_max": lengths.max(),
         "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
-        **({"memory/cuda_allocated_gb_max": torch.cuda.max_memory_allocated() / 2**30}
+        **({"memory/cuda_allocated_gb_max": (torch.cuda.max_memory_allocated() - engine.cuda_bytes) / 2**30}
            if torch.cuda.is_available() else {}),
     })
 
@@ -389,6 +404,29 @@ def check_run_args(run, total_steps):
                              "--engine hf")
         if installed is not None:
             check_vllm(installed)
+    if not 0 < run.vllm_gpu_memory_utilization < 1:
+        raise ValueError(f"--vllm_gpu_memory_utilization {run.vllm_gpu_memory_utilization}: must be in (0, 1), the "
+                         "engine's share of the GPU beside the trainer's models")
+    check_device(run)
+
+
+def check_device(run):
+    """What the GPU path does not run, refused before any model loads: fp16 (no loss scaling is wired in: an
+    overflow would stop the run as a non-finite gradient norm), a GPU without bf16 (the trainer's autocast and the
+    vLLM engine compute in bf16), and expandable segments in PyTorch's CUDA allocator beside vLLM's sleep mode (its
+    memory pool cannot use them)."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
+        raise ValueError("mixed precision fp16 is not supported (no loss scaling): launch with --mixed_precision bf16")
+    if not torch.cuda.is_available():
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < (8, 0):
+        raise ValueError(f"this GPU (compute capability {capability[0]}.{capability[1]}) has no bf16, which the "
+                         "trainer's autocast and the vLLM engine compute in: use one of capability 8.0 or later "
+                         "(A100, L4, H100, RTX 30xx and later)")
+    if uses_vllm(run) and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF sets expandable_segments:True, which vLLM's sleep mode cannot use: "
+                         "unset it, or pass --engine hf")
 
 
 def check_model_and_task(model, task):
@@ -408,17 +446,25 @@ def check_batch_layout(prompts_per_step, group_size, num_minibatches, micro_batc
                          f"{num_minibatches} mini-batches of whole --micro_batch_size {micro_batch_size} chunks")
 
 
-def check_lengths(model, max_prompt_length, max_new_tokens, tool_tokens=0):
-    """Prompt plus completion (plus tool output, grpo_tools.py) must fit the model's positions (reads the model's
-    config: after check_model_and_task)."""
+def check_model_config(model, run, max_prompt_length, max_new_tokens, tool_tokens=0):
+    """What the model's config must allow (read after check_model_and_task): prompt plus completion (plus tool
+    output, grpo_tools.py) fit its positions, and a vLLM engine takes its weights (not a mixture of experts': the
+    trainer's fused expert tensors have no name in vLLM's per-expert loader)."""
     from transformers import AutoConfig
 
-    limit = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(model)
+    if uses_vllm(run) and any(getattr(config, key, None) for key in MOE_CONFIG_KEYS):
+        raise ValueError(f"--model {model}: a mixture-of-experts model, whose weights the trainer cannot push into "
+                         "vLLM under names it loads: pass --engine hf")
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max_prompt_length + max_new_tokens + tool_tokens > limit:
         raise ValueError(f"--max_prompt_length {max_prompt_length} + --max_new_tokens {max_new_tokens}"
                          + (f" + tool output {tool_tokens} (--max_turns * --max_tool_tokens)" if tool_tokens else "")
                          + f" exceeds the model's {limit} positions: lower one of them")
 
+
+
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek configs
 
 
 def vllm_version():

@@ -190,6 +190,14 @@ def test_the_estimate_is_the_state_plus_the_larger_of_the_two_phases():
             passes = parts["activations"] + parts["logprobs"]
             assert parts["total"] == 16 * P / W + max(passes, parts["scratch"])
             assert (passes > parts["scratch"]) == (length == 50_000)
+    # the log-prob pass: the hidden states, one chunk's three (C, V) float32 tensors, and from a second chunk on the
+    # output layer's weight gradient before it is added in (not under LoRA: that weight takes no gradient)
+    chunk = 2**27 // (4 * 1000)  # 33,554 positions
+    for length, chunks in ((8, 1), (chunk, 1), (chunk + 1, 2)):
+        parts = estimate(config, P, M, 0, 1, 16 + length, length, False)
+        lora = estimate(config, P, M, 0, 1, 16 + length, length, False, head_trained=False)
+        assert lora["logprobs"] == length * 64 * 4 + 3 * 4 * 1000 * min(length, chunk)
+        assert parts["logprobs"] - lora["logprobs"] == (4 * 1000 * 64 if chunks > 1 else 0)
 
 
 def test_lora_sweep_summarizes_seeds_and_gives_the_mean_alone_for_one(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 import clip_cov
 import grpo
 from clip_cov import covariance_tokens
-from tests.helpers import SMALL, loss_of, resolved, run_grpo
+from tests.helpers import SMALL, assert_same_loss_and_gradient, loss_of, resolved, run_grpo
 
 # 5 valid tokens; Cov_t = (log pi_t - mean log pi)(A_t - mean A), mean log pi = -1.16, mean A = 0.8
 COV_LOGP = torch.tensor([[-0.1, -2.0, -0.5], [-3.0, -0.2, -1.0]])
@@ -114,8 +114,40 @@ def test_arguments():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["clip_cov", "kl_cov"])
 def test_both_methods_end_to_end(tmp_path, method):
-    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--method", method, f"--{method}_frac", "0.01",
-                        "--num_minibatches", "2", *SMALL], tmp_path, script="clip_cov.py")
+    """KL-Cov with --tis_cap: the weights reach the loss apart from A, and the rollout page recomputes them."""
+    tis = ["--tis_cap", "1.5", "--html_every", "2"] if method == "kl_cov" else []
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "0", "--method", method, f"--{method}_frac",
+                        "0.01", "--num_minibatches", "2", *tis, *SMALL], tmp_path, script="clip_cov.py")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 < r["policy/cov_selected_frac"] < 0.2
+        assert ("policy/tis_bounded_frac" in r) == bool(tis)
+    if tis:
+        assert "importance weight" in open(tmp_path / "clip_cov__1" / "rollouts" / "step_2.html").read()
+
+
+def test_the_importance_weights_multiply_the_loss_after_a_selection_on_the_advantages_alone():
+    """--tis_cap's weights w go to the loss apart from A: KL-Cov ranks Cov(log pi, A) (arXiv 2505.22617 §4), then w
+    multiplies each token's whole loss, the |log r| penalty too, as verl's kl_cov loss applies rollout_is_weights.
+    Ranked on A w instead, the selection below would be token (1, 0) (loss 0.49469764)."""
+    logp = torch.tensor([[-0.2, -3.0], [-2.5, -0.4]], dtype=torch.float64, requires_grad=True)
+    old, mask = logp.detach() - 0.1, torch.ones(2, 2, dtype=torch.float64)
+    adv, w = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64), torch.tensor([[0.3, 1.0], [2.0, 1.0]])
+    counts = (mask.new_tensor(2.0), mask.sum())
+    args = clip_cov.Args(method="kl_cov", kl_cov_frac=0.25, beta=0.0)  # k = 1
+    assert positions(covariance_tokens(logp, adv, mask, 0.25)) == [(0, 0)]
+    loss, means, _ = clip_cov.compute_loss(logp, old, None, adv, mask, counts, args, w.double())
+    selected = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    log_ratio = logp - old
+    expected = ((-adv * log_ratio.exp() + clip_cov.KL_COV_COEF * log_ratio.abs() * selected) * w).mean()
+    assert loss.item() == pytest.approx(0.47719764, abs=1e-8)
+    assert_same_loss_and_gradient(loss, expected, logp, atol=1e-12)
+    # Clip-Cov: the weights scale the surviving tokens' gradient; the drawn tokens still get none
+    old = logp.detach()
+    torch.manual_seed(0)
+    loss, means, _ = clip_cov.compute_loss(logp, old, None, adv, mask, counts,
+                                           clip_cov.Args(method="clip_cov", clip_cov_frac=0.5, beta=0.0), w.double())
+    torch.manual_seed(0)
+    dropped = covariance_tokens(logp, adv, mask, 0.5, clip_cov.CLIP_COV_BOUNDS, torch.ones(2, 2, dtype=torch.bool))
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, -adv * w.double() * (~dropped).double() / 4)

@@ -47,3 +47,35 @@ def test_gpu_step_tail_mode_at_a_tiny_shape(tmp_path):
         assert step["decode_calls"] == step["longest"] <= 64 and step["trained_tokens"] == step["generated_tokens"]
     assert partial["decode_calls"] < sync["decode_calls"]  # stopped once 4 of 6 groups were whole
     assert all(step["trained_tokens"] > 0 for step in partial["steps"])
+
+
+def test_each_result_is_written_as_it_ends(tmp_path, monkeypatch):
+    """A failing FSDP2 launch (the second half) loses none of the results before it: each is on disk as it ends."""
+    sys.path.insert(0, ROOT)
+    import benchmarks.gpu_step as gpu_step
+
+    def fsdp2_launches(opts):
+        yield {"engine": "hf", "fsdp2": True, "n": 2}
+        raise subprocess.CalledProcessError(1, "accelerate launch")
+
+    monkeypatch.setattr(gpu_step.torch, "set_num_threads", lambda n: None)  # this test process's own stay as they are
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    monkeypatch.setattr(gpu_step, "build_model", lambda shape, path: None)
+    monkeypatch.setattr(gpu_step, "run_engine", lambda name, opts, model_dir: {"engine": name, "fsdp2": False, "n": 1})
+    monkeypatch.setattr(gpu_step, "under_fsdp2", fsdp2_launches)
+    out = tmp_path / "gpu_step.jsonl"
+    monkeypatch.setattr(sys, "argv", ["gpu_step.py", "--shape", "tiny", "--engines", "hf", "--fsdp", "--out", str(out)])
+    with pytest.raises(subprocess.CalledProcessError):
+        gpu_step.main()
+    assert [json.loads(line)["n"] for line in open(out)] == [1, 2]
+
+
+def test_a_repeated_update_is_the_same_bit_for_bit_on_a_cpu_and_within_1e_4_on_a_gpu(monkeypatch):
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from benchmarks.gpu_step import same_update
+
+    assert same_update((0.5, 2.0), (0.5, 2.0)) and not same_update((0.5, 2.0), (0.5, 2.0 + 1e-12))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPU kernels: atomic adds reorder the sums
+    assert same_update((0.5, 2.0), (0.5 + 1e-6, 2.0)) and not same_update((0.5, 2.0), (0.5, 2.01))

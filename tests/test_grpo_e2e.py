@@ -100,13 +100,13 @@ def test_step_metrics_are_the_rollouts_and_the_phases_add_up_to_the_step():
     """plumbing/run.py step_metrics, which every script logs through: one definition of each rate and time."""
     from accelerate import Accelerator
 
-    from plumbing.engine import Sample
+    from plumbing.engine import Engine, Sample
 
     samples = [Sample([5, 6, 7], [-0.1] * 3, False), Sample([5], [-0.2], True)]
     counts = {"no_answer": 1, "unparsed": 0, "timeouts": 2, "verify_timeouts": 0, "errors": 0, "memory": 0}
     stats = StepStats()
     stats.add({"losses/policy": 0.5})
-    metrics = step_metrics(Accelerator(cpu=True), stats, samples,
+    metrics = step_metrics(Accelerator(cpu=True), Engine([0]), stats, samples,
                            [1.0, 0.0], [1.0, 0.0], torch.tensor([1.1, 0.0]), counts,
                            {"step": 2.0, "rollout": 0.5, "weight_sync": 0.1, "score": 0.25, "score_hidden": 0.2})
     assert metrics["time/train"] == pytest.approx(1.25)  # step - rollout - score
@@ -116,6 +116,42 @@ def test_step_metrics_are_the_rollouts_and_the_phases_add_up_to_the_step():
     assert metrics["charts/truncated_frac"] == 0.5 and metrics["charts/no_answer_frac"] == 0.5
     assert metrics["charts/reward"] == pytest.approx(0.55) and metrics["charts/reward_timeouts"] == 2
     assert metrics["losses/policy"] == 0.5 and "charts/reward_no_answer" not in metrics
+
+
+def test_cuda_memory_figures_exclude_a_sleeping_engine(monkeypatch):
+    """A vLLM engine asleep keeps its tensors allocated (sleep unmaps their pages only), so torch's CUDA counters
+    include them: create_engine records what they grew by across the engine's start and sleep, and the trainer's
+    figure is the allocator's peak less that. torch's CUDA counters and vLLM's LLM are stood in for here: the
+    arithmetic is what is tested, on a machine without a GPU."""
+    import types
+
+    import vllm
+    from accelerate import Accelerator
+
+    from plumbing.engine import Sample, create_engine
+    from plumbing.run import RunArgs, step_metrics
+
+    allocated = {"now": 3 * 2**30}  # the trainer's models, loaded before the engine
+
+    class SleepingLLM:  # what torch counts for a vLLM engine: 40 GB at start, and still 40 GB once asleep
+        def __init__(self, model, **kwargs):
+            allocated["now"] += 40 * 2**30
+
+        def sleep(self, level):
+            pass
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(key, "0")  # create_engine sets them for vLLM: they are restored after the test
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocated["now"] + 5 * 2**30)  # a step's peak
+    monkeypatch.setattr(vllm, "LLM", SleepingLLM)
+    engine = create_engine(RunArgs(engine="vllm"), "model", 0, 64, [0])
+    assert engine.asleep and engine.cuda_bytes == 40 * 2**30
+    stats = types.SimpleNamespace(sums={}, means={}, maxes={})
+    metrics = step_metrics(Accelerator(cpu=True), engine, stats, [Sample([5], [-0.1], False)], [1.0], [1.0],
+                           torch.tensor([1.0]), {"no_answer": 0}, {"step": 1.0, "rollout": 0.5, "score": 0.0})
+    assert metrics["memory/cuda_allocated_gb_max"] == pytest.approx(8.0)  # 3 GB of models + the step's 5, not 48
 
 
 def test_real_models_do_not_inherit_toy_defaults(tmp_path):
@@ -149,6 +185,8 @@ def test_real_models_do_not_inherit_toy_defaults(tmp_path):
     ({"clip_eps": -0.1}, "--clip_eps and --adv_eps must be >= 0"),
     ({"tis_cap": 0.5}, "--tis_cap 0.5: must be > 1"),
     ({"malloc_mmap_threshold": -1}, "--malloc_mmap_threshold -1: must be >= 0"),
+    ({"vllm_gpu_memory_utilization": 1.0}, "--vllm_gpu_memory_utilization 1.0: must be in (0, 1)"),
+    ({"vllm_gpu_memory_utilization": 0.0}, "--vllm_gpu_memory_utilization 0.0: must be in (0, 1)"),
 ])
 def test_every_bad_argument_is_caught_before_heavy_work(overrides, message):
     with pytest.raises(ValueError) as error:
@@ -159,16 +197,46 @@ def test_every_bad_argument_is_caught_before_heavy_work(overrides, message):
     assert resolved(grpo, eval_size=0, eval_every=0).run.eval_size == 0
 
 
-@pytest.mark.parametrize("flags, message", [  # one per kind of check; the rest are tested in process above
-    (["--temperature", "0"], "--temperature 0.0: must be > 0"),  # resolve_args
-    (["--max_new_tokens", "1000"], "exceeds the model's 1024 positions"),  # the model's config
-    (["--resume"], "has no checkpoint"),  # the run folder
+@pytest.mark.parametrize("flags, env, message", [  # one per kind of check; the rest are tested in process above
+    (["--temperature", "0"], {}, "--temperature 0.0: must be > 0"),  # resolve_args
+    (["--max_new_tokens", "1000"], {}, "exceeds the model's 1024 positions"),  # the model's config
+    (["--resume"], {}, "has no checkpoint"),  # the run folder
+    ([], {"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 is not supported"),  # `accelerate launch --mixed_precision`
 ])
-def test_bad_input_fails_in_one_line(tmp_path, flags, message):
+def test_bad_input_fails_in_one_line(tmp_path, flags, env, message, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     proc, _ = run_grpo(flags, tmp_path, check=False, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+def test_what_the_gpu_path_does_not_run_is_refused_in_one_line(tmp_path, monkeypatch):
+    """fp16 (no loss scaling), a GPU without bf16, expandable segments beside vLLM's sleep mode, and a mixture of
+    experts pushed into vLLM: each a one-line error before any model loads. The GPU's properties are stood in for."""
+    from transformers import Qwen2MoeConfig
+
+    from plumbing.run import RunArgs, check_device, check_model_config
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="fp16 is not supported .*: launch with --mixed_precision bf16"):
+        check_device(RunArgs())
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    check_device(RunArgs())  # a CPU: nothing else to check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (7, 5))  # a T4
+    with pytest.raises(ValueError, match=r"compute capability 7.5\) has no bf16"):
+        check_device(RunArgs())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments:True, which vLLM's sleep mode cannot use"):
+        check_device(RunArgs(engine="vllm"))
+    check_device(RunArgs(engine="hf"))  # the HF engine has no memory pool of its own
+    Qwen2MoeConfig(num_experts=4, max_position_embeddings=256).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="a mixture-of-experts model.*: pass --engine hf"):
+        check_model_config(str(tmp_path), RunArgs(engine="vllm"), 64, 64)
+    check_model_config(str(tmp_path), RunArgs(engine="hf"), 64, 64)
 
 
 def test_unknown_hub_model_offline_fails_fast(tmp_path):

@@ -30,6 +30,7 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
     "Evaluation": ("grpo_tools.py",),  # test completions may call the tool too
     "Policy update": ("ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
                       "high_entropy.py",  # the mini-batch's entropy threshold masks the policy gradient
+                      "clip_cov.py",  # --tis_cap's weights go to the loss apart from A: the selection ranks A alone
                       "grpo_async.py"),  # the engine/trainer gap over this step's tokens only
     "Training loop": ("reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
                       "ppo.py",  # the critic: its values, per-token rewards, GAE

@@ -248,3 +248,30 @@ def test_fsdp2_ranks_push_gathered_weights_to_their_engines(tmp_path):
     for r in rows:  # steps 2 and 3 sample from weights pushed after an update
         assert r["rollout/logprob_gap_max"] < 1e-3, r["rollout/logprob_gap_max"]
     assert rows[2]["eval/problems"] == 16
+
+
+def test_the_two_warnings_that_read_like_failures_are_dropped_and_no_other():
+    """vLLM's "RotaryEmbedding: Failed to load weights" at every weight push, and FSDP2's "returned a view tensor"."""
+    import logging
+    import warnings
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from plumbing.run import quiet_libraries
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_libraries()
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        layerwise.logger.addHandler(handler)
+        try:
+            layerwise.logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+            layerwise.logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+        finally:
+            layerwise.logger.removeHandler(handler)
+        warnings.warn("FSDP2-wrapped module (Qwen2DecoderLayer) returned a view tensor. An in-place op", UserWarning)
+        warnings.warn("another warning", UserWarning)
+    assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
+    assert [str(w.message) for w in caught] == ["another warning"]
