@@ -220,7 +220,7 @@ def start_run(args):
     try:
         args = resolve_args(args, accelerator.num_processes)
         check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens)  # reads its config
-        checkpoint = resume_checkpoint(run_dir, args.run)
+        checkpoint = resume_checkpoint(accelerator, run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)
         train_rows, test_rows, summary = load_splits(
             args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,

@@ -108,7 +108,7 @@ class HFDecoder:
             for t in range(max_new_tokens):
                 logits = unwrapped(input_ids=input_ids, attention_mask=attention_mask[:, :prompt_width + t],
                                    position_ids=positions, past_key_values=cache, use_cache=True,
-                                   logits_to_keep=1).logits[:, -1]
+                                   logits_to_keep=1).logits[:, -1].float()  # (FSDP2's bf16 policy gives bf16)
                 if t == 0 and n > 1:  # each prompt was prefilled once: its cache and logits serve its n completions
                     cache.batch_repeat_interleave(n)
                     logits, attention_mask, positions = (x.repeat_interleave(n, 0) for x in (logits, attention_mask,

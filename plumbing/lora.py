@@ -80,7 +80,22 @@ class AdaptersOff(torch.nn.Module):
 def save_adapters_only(accelerator):
     """accelerate's checkpoints of a LoRA run keep the trained parameters alone (the adapters, a value head): the
     frozen base weights are the --model's, reloaded on resume (plumbing.run.load_checkpoint loads non-strictly and
-    checks every trained parameter was in the checkpoint)."""
+    checks every trained parameter was in the checkpoint). Under FSDP accelerate saves and loads each model's shards
+    itself and calls the save hook with no weights: there its own adapter-only mode (peft's state dict) is turned on
+    for a LoRA model."""
+    if accelerator.is_fsdp2:
+        import accelerate.accelerator
+        from accelerate.utils import fsdp_utils
+
+        def adapter_only(function):  # accelerate.save_state / load_state call these for each FSDP model
+            def call(plugin, accel, model, directory, index=0, **kwargs):
+                return function(plugin, accel, model, directory, index, adapter_only=is_lora(
+                    accel.unwrap_model(model)), **kwargs)
+            return call
+
+        accelerate.accelerator.save_fsdp_model = adapter_only(fsdp_utils.save_fsdp_model)
+        accelerate.accelerator.load_fsdp_model = adapter_only(fsdp_utils.load_fsdp_model)
+
     def keep_trained(models, weights, output_dir):
         for model, state in zip(models, weights):
             unwrapped = accelerator.unwrap_model(model)

@@ -217,6 +217,38 @@ def not_the_rotary_cache(record):
     return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
+def check_shared_folder(accelerator, folder):
+    """Every process sees the same `folder`: the first writes a token there and every process reads it back; the
+    processes learn together whether one did not, and each stops with the same line. Several nodes need --output_dir
+    on storage each of them mounts: the first process alone creates a run's folder and swaps its checkpoints in,
+    while every process writes its own shards into them (FSDP2) and decides from them whether to resume."""
+    import secrets
+
+    import torch.distributed as dist
+
+    nonce = [secrets.token_hex(8) if accelerator.is_main_process else None]
+    dist.broadcast_object_list(nonce, src=0)
+    path = os.path.join(folder, f".shared_check_{nonce[0]}")
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(nonce[0])
+    accelerator.wait_for_everyone()
+    try:
+        with open(path) as f:
+            seen = f.read() == nonce[0]
+    except OSError:
+        seen = False
+    everyone = accelerator.reduce(torch.tensor(float(seen), device=accelerator.device), reduction="sum")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.remove(path)
+    if int(everyone) != accelerator.num_processes:
+        raise ValueError(f"--output_dir {folder}: {accelerator.num_processes - int(everyone)} of the "
+                         f"{accelerator.num_processes} processes do not see the first one's files there; on several "
+                         "nodes it must be on storage every node mounts")
+
+
 def write_eval_only(accelerator, run_dir, model, result):
     """--eval_only results go to their own file: a training run's metrics.jsonl is never touched."""
     if accelerator.is_main_process:
@@ -226,8 +258,11 @@ def write_eval_only(accelerator, run_dir, model, result):
     accelerator.print(json.dumps(result))
 
 
-def resume_checkpoint(run_dir, run):
-    """The checkpoint --resume continues, or None for a new run; a new run never overwrites a checkpoint."""
+def resume_checkpoint(accelerator, run_dir, run):
+    """The checkpoint --resume continues, or None for a new run; a new run never overwrites a checkpoint. Every
+    process decides alike: with several, each must see the same --output_dir (check_shared_folder)."""
+    if accelerator.num_processes > 1:
+        check_shared_folder(accelerator, run.output_dir)
     checkpoint = find_checkpoint(run_dir)
     if checkpoint and not run.resume and not run.eval_only:
         raise ValueError(f"{run_dir} already has a checkpoint: pass --resume to continue it, or another --exp_name")

@@ -18,8 +18,10 @@ numbers; the exit code is 1 when one fails):
 - reward: the gold answers of a few training rows, written in the asked-for form, score full accuracy; empty answers,
   the gold written twice over (another answer) and hedged ones (the gold and another answer) score none.
 Every run evaluates after each step on one test problem per process (so that step 2 follows a sleep). The runs go to
-a temporary folder; the run's own folder gets only the report, self_check.md. Under `accelerate launch` the first
-process runs the check with the same number of processes and the others end at once.
+a temporary folder; the run's own folder gets only the report, self_check.md. Under `accelerate launch` (one node)
+the first process runs the check and the others end at once; its runs are launched as this one was: torchrun with as
+many processes, and the launch's configuration (accelerate passes it to the script in ACCELERATE_* and FSDP_*
+variables: the precision, FSDP2 and its settings) inherited, the rank variables not.
 """
 
 import json
@@ -43,6 +45,10 @@ def self_check(script, argv, run_dir):
     run_dir/self_check.md -> the exit code."""
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # the first process checks, with as many processes as this launch
+    if os.environ.get("WORLD_SIZE", "1") != os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")):
+        print("error: --self_check runs on one node: launch it on one machine with that node's processes",
+              file=sys.stderr)
+        return 1
     argv = [a for i, a in enumerate(argv) if a not in (*DROPPED, *OWN_FLAGS)
             and (i == 0 or argv[i - 1] not in OWN_FLAGS)]
     rows = []
@@ -61,14 +67,17 @@ def self_check(script, argv, run_dir):
         if len(resumed["metrics"]) == 2 and len(straight["metrics"]) == 2:
             diffs = {k: abs(resumed["metrics"][1][k] - straight["metrics"][1][k]) / max(
                 abs(straight["metrics"][1][k]), 1e-8) for k in COMPARED}
-            rows.append(("resume", max(diffs.values()) < 1e-4, "step 2 after a resume against uninterrupted: "
+            sharded = os.path.isdir(os.path.join(folder, f"resumed__{_seed(argv)}", "checkpoint",
+                                                 "pytorch_model_fsdp_0"))
+            rows.append(("resume", max(diffs.values()) < 1e-4, "step 2 after a resume "
+                         f"(from {'FSDP2 shards' if sharded else 'one checkpoint file'}) against uninterrupted: "
                          + ", ".join(f"{k} rel. diff {v:.1g}" for k, v in diffs.items())))
         else:
             rows.append(("resume", False, "the stopped or the resumed run did not complete: "
                          + (resumed["error"] or straight["error"])))
     rows.append(_reward(config))
-    lines = [f"self-check of `{os.path.basename(script)} {shlex.join(argv)}`", "", "| check | result | numbers |",
-             "|---|---|---|"] + [f"| {name} | {'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |"
+    lines = [f"self-check of `{os.path.basename(script)} {shlex.join(argv)}`, its runs launched as {_launch_words()}",
+             "", "| check | result | numbers |", "|---|---|---|"] + [f"| {name} | {'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |"
                                  for name, ok, detail in rows]
     print("\n".join(lines))
     os.makedirs(run_dir, exist_ok=True)
@@ -87,14 +96,12 @@ def _runner(script, argv, folder):
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     def run(name, extra, environment=None):
-        launch = [sys.executable] if world == 1 else [sys.executable, "-m", "accelerate.commands.launch",
-                                                      "--multi_gpu", "--num_processes", str(world),
-                                                      "--main_process_port", str(free_port())]
+        launch = [sys.executable] if not _launched() else [sys.executable, "-m", "torch.distributed.run",
+                                                            "--nproc_per_node", str(world), "--master_port",
+                                                            str(free_port())]
         flags = [*argv, "--output_dir", folder, "--exp_name", name, "--eval_every", "1", "--eval_size", str(world),
                  "--eval_samples", "1", "--log_completions_every", "0", *extra]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
-                                                                  "MASTER_ADDR", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                                                  "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+        env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
         proc = subprocess.run([*launch, script, *flags], env={**env, **(environment or {})}, capture_output=True,
                               text=True)
         path = os.path.join(folder, f"{name}__{_seed(argv)}")
@@ -108,6 +115,24 @@ def _runner(script, argv, folder):
             print(proc.stderr[-3000:], file=sys.stderr)
         return {"metrics": metrics, "config": config, "error": error, "output": proc.stderr}
     return run
+
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # a launch's own
+
+
+def _launched():
+    """Whether this process was started by a launcher (accelerate launch, torchrun), not a plain `python`."""
+    return "LOCAL_RANK" in os.environ
+
+
+def _launch_words():
+    """How the check's runs are launched, for the report."""
+    if not _launched():
+        return "this one: `python`"
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP") == "true"
+    return (f"this one: torchrun, {os.environ.get('WORLD_SIZE', '1')} process(es), mixed precision "
+            f"{os.environ.get('ACCELERATE_MIXED_PRECISION', 'no')}, {'FSDP' + os.environ.get('FSDP_VERSION', '1') if fsdp else 'no FSDP'}")
 
 
 def _on_policy(straight):

@@ -19,6 +19,13 @@ def two_processes(port):
             "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port))
 
 
+def fsdp2(port):
+    """The launcher of a 2-process FSDP2 run on the CPU: the GPU config, without its bf16."""
+    return (sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs",
+            "fsdp2.yaml"), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--main_process_port", str(port))
+
+
 def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True, script="grpo.py"):
     """Run an algorithm script (grpo.py by default) with `args` into out_dir; returns (completed process, metrics rows
     of its run). Every test names its run (--exp_name, default: the script's name): its folder is <exp_name>__<seed>."""

@@ -13,16 +13,9 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, SMALL, run_grpo, two_processes
+from tests.helpers import ROOT, SMALL, fsdp2, run_grpo, two_processes
 
 pytestmark = pytest.mark.slow  # each test launches 2 processes
-
-
-def fsdp2(port):
-    """The launcher of a 2-process FSDP2 run on the CPU: the GPU config, without its bf16."""
-    return (sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs",
-            "fsdp2.yaml"), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--main_process_port", str(port))
 
 
 SHARDING_CHECK = """
@@ -106,3 +99,75 @@ def test_ppo_and_grpo_async_under_fsdp2(tmp_path):
                         "--micro_batch_size", "4"], tmp_path, launcher=fsdp2(29556), script="grpo_async.py",
                        timeout=600)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and any(r["async/groups_carried"] > 0 for r in rows)
+
+
+def test_a_lora_run_under_fsdp2_checkpoints_its_adapters_alone_and_resumes_exactly(tmp_path):
+    """accelerate saves an FSDP model's shards itself (the save hook that filters a LoRA checkpoint sees no weights):
+    its adapter-only mode keeps the frozen base out of the checkpoint, and the resumed run is the uninterrupted one."""
+    import torch.distributed.checkpoint as dcp
+
+    flags = ["--eval_every", "0", "--save_every", "2", "--lora_rank", "4", "--learning_rate", "1e-3", *SMALL,
+             "--micro_batch_size", "4"]
+    run_grpo(["--total_steps", "2", "--exp_name", "lora", *flags], tmp_path, launcher=fsdp2(29559))
+    saved = dcp.FileSystemReader(str(tmp_path / "lora__1" / "checkpoint" / "pytorch_model_fsdp_0")).read_metadata()
+    keys = [key.removeprefix("model.") for key in saved.state_dict_metadata]
+    assert keys and all("lora_" in key for key in keys), keys[:5]
+    _, resumed = run_grpo(["--total_steps", "3", "--resume", "--exp_name", "lora", *flags], tmp_path,
+                          launcher=fsdp2(29560))
+    _, straight = run_grpo(["--total_steps", "3", "--exp_name", "straight", *flags], tmp_path, launcher=fsdp2(29561))
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key in ("charts/reward", "losses/policy", "losses/kl", "policy/grad_norm"):
+        assert resumed[2][key] == straight[2][key], key  # the same computation: exact
+
+
+PRECISION_CHECK = """
+import json, torch
+import grpo
+from tests.helpers import resolved
+from plumbing.parallel import make_accelerator
+
+args = resolved(grpo)
+accelerator = make_accelerator()
+tokenizer, _ = grpo.load_tokenizer(args.model)
+model, optimizer, _ = grpo.load_models(args, tokenizer, accelerator, with_reference=False)
+batch = grpo.make_batch([[5, 6, 7]] * 2, [grpo.Sample([8, 9, 2], [-1.0] * 3, False)] * 2, tokenizer.pad_token_id,
+                        accelerator.device)
+seen = []
+layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+layer.register_forward_hook(lambda module, inputs, output: seen.append(str(output.dtype)))
+logp, _ = grpo.token_logprobs(model, batch, 1.0, accelerator)
+accelerator.backward(-logp.sum())
+policy = accelerator.state.fsdp_plugin.mixed_precision_policy if accelerator.is_fsdp2 else None
+result = {"precision": accelerator.mixed_precision, "type": str(accelerator.distributed_type),
+          "policy": None if policy is None else [str(policy.param_dtype), str(policy.reduce_dtype)],
+          "weights": sorted({str(p.dtype) for p in model.parameters()}),
+          "grads": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+          "layer_output": sorted(set(seen)), "logp": str(logp.dtype)}
+if accelerator.is_main_process:
+    print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_the_gpu_runs_bf16_path_on_cpu_processes(tmp_path, parallel):
+    """`--mixed_precision bf16`, as the GPU configs launch: torch autocasts to bf16 on CPUs too, and gloo carries FSDP2's
+    bf16 all-gathers and its float32 gradient reduce-scatters. The weights and their gradients stay float32, the
+    layers compute in bf16 (FSDP2: the MixedPrecisionPolicy make_accelerator sets, reducing in float32, where
+    accelerate's own reduces in bf16), the log-probs come out float32; a 2-step run on that path trains, its engine/trainer gap that of
+    a bf16 trainer (above float32's ~1e-7, under --logprob_gap_warn)."""
+    launcher = list(fsdp2(29562) if parallel == "fsdp2" else two_processes(29563))
+    launcher[launcher.index("--mixed_precision") + 1] = "bf16"
+    script = tmp_path / "precision_check.py"
+    script.write_text(PRECISION_CHECK)
+    proc = subprocess.run([*launcher, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["precision"] == "bf16" and result["weights"] == result["grads"] == ["torch.float32"], result
+    assert result["layer_output"] == ["torch.bfloat16"] and result["logp"] == "torch.float32", result
+    assert result["policy"] == (["torch.bfloat16", "torch.float32"] if parallel == "fsdp2" else None), result
+    _, rows = run_grpo(["--total_steps", "2", "--eval_every", "2", *SMALL, "--micro_batch_size", "4"], tmp_path,
+                       launcher=launcher)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["eval/pass@1_greedy"] >= 0
+    for r in rows:
+        assert 1e-5 < r["rollout/logprob_gap_mean"] < 0.1 and r["policy/grad_norm"] > 0

