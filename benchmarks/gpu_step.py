@@ -7,7 +7,11 @@ then the betas (--betas: 0 skips the reference pass); each step reports its phas
 reference, train). The trainer's peak is set against the estimate the runs print at start (plumbing/memory.py). The last
 update is then repeated from a checkpoint saved before it: resume is exact when the loss and gradient norm are the
 same. --fsdp also runs every engine under FSDP2 with one process (accelerate launch --config_file configs/fsdp2.yaml):
-the sharded policy and reference, the weights gathered for the push, the sharded checkpoint.
+the sharded policy and reference, the weights gathered for the push, the sharded checkpoint. --lora_rank trains
+LoRA adapters instead (under FSDP2 too: the checkpoint holds their shards alone). --self_check then runs
+`grpo.py --self_check` (the embedded model's default run, or --self_check_flags). Every CUDA peak leaves out what
+the sleeping engine still holds (Engine.cuda_bytes, reported). The tables go to stdout and, as one report, to --out's
+name with .md.
 
     python benchmarks/gpu_step.py --fsdp                           # one GPU: Qwen2.5-0.5B shape, 256 x 256 tokens
     python benchmarks/gpu_step.py --shape tiny --engines hf --prompts 4 --new_tokens 16 --fsdp   # CPU check
@@ -29,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -101,7 +106,8 @@ def run_engine(engine_name, opts, model_dir):
     of --sleep_levels and --betas; then the resume check: the last step's update repeated on the same batch from a
     checkpoint saved before it must give the same loss and gradient norm."""
     on_gpu = torch.cuda.is_available()
-    run = RunArgs(engine=engine_name, eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization)
+    run = RunArgs(engine=engine_name, eval_every=0, vllm_gpu_memory_utilization=opts.gpu_memory_utilization,
+                  lora_rank=opts.lora_rank)
     args = grpo.resolve_args(grpo.Args(model=model_dir, task="toy", max_new_tokens=opts.new_tokens,
                                        max_prompt_length=opts.prompt_len, num_generations=opts.generations,
                                        prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
@@ -112,7 +118,7 @@ def run_engine(engine_name, opts, model_dir):
     seq_len = opts.prompt_len + opts.new_tokens
     estimate = trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size, seq_len, opts.new_tokens)
     result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-              "fsdp2": accelerator.is_fsdp2, "memory_trainer_loaded": gpu_memory_gb(),
+              "fsdp2": accelerator.is_fsdp2, "lora_rank": opts.lora_rank, "memory_trainer_loaded": gpu_memory_gb(),
               "trainer_estimate_gb": estimate["total"] / 2**30}
     start = time.time()
     engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
@@ -263,6 +269,11 @@ def main():
                         help="then through these betas (0: no reference pass, no KL term)")
     parser.add_argument("--fsdp", action="store_true", help="also run each engine under FSDP2 with one process "
                         "(accelerate launch --config_file configs/fsdp2.yaml)")
+    parser.add_argument("--lora_rank", type=int, default=0, help="train LoRA adapters of this rank (0: the whole "
+                        "model); with --fsdp, under FSDP2 too (its checkpoint: the adapters alone)")
+    parser.add_argument("--self_check", action="store_true", help="then run `grpo.py --self_check` (the embedded "
+                        "model's default run, its engine vLLM where installed), its table in the report")
+    parser.add_argument("--self_check_flags", default="", help="--self_check: grpo.py's flags, one string")
     parser.add_argument("--tail", action="store_true", help="time grpo.py's rollout against grpo_async.py's")
     parser.add_argument("--stop_frac", type=float, default=1 / 64, help="--tail: the vocabulary fraction that stops")
     parser.add_argument("--overprovision", type=float, default=1.5, help="--tail: grpo_async.py's groups in flight")
@@ -286,6 +297,7 @@ def main():
     if opts.fsdp and not opts.tail:
         for r in under_fsdp2(opts):
             keep(r)
+    checked = self_check(shlex.split(opts.self_check_flags)) if opts.self_check and not opts.tail else None
     if opts.tail:
         print("| engine | device | rollout s sync | async | ratio | decode calls sync | async | trained tokens sync | "
               "async |\n|" + "---|" * 9)
@@ -295,16 +307,36 @@ def main():
                   f"{r['rollout_ratio']:.2f}x | {s['decode_calls']:.0f} | {a['decode_calls']:.0f} | "
                   f"{s['trained_tokens']:.0f} | {a['trained_tokens']:.0f} |")
         return results
-    print("| engine | FSDP2 | device | step s | rollout s | weight sync s | reference s | train s | tokens/s | "
-          "gap mean | engine start s | trainer peak / estimate GB | resume exact |\n|" + "---|" * 13)
+    lines = [f"`python benchmarks/gpu_step.py {' '.join(sys.argv[1:])}`", "",
+             "| engine | FSDP2 | LoRA rank | device | step s | rollout s | weight sync s | reference s | train s | "
+             "tokens/s | gap mean | engine start s | engine GB (left out) | trainer peak / estimate GB | resume "
+             "same |", "|" + "---|" * 15]
     for r in results:
         m = r["median"]
         peak = "-" if r["trainer_peak_gb"] is None else f"{r['trainer_peak_gb']:.2f}"
-        print(f"| {r['engine']} | {r['fsdp2']} | {r['device']} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | "
-              f"{m['weight_sync_s']:.3f} | {m['reference_s']:.2f} | {m['train_s']:.2f} | {m['tokens_per_s']:.0f} | "
-              f"{m['logprob_gap_mean']:.2e} | {r['engine_start_s']:.1f} | {peak} / {r['trainer_estimate_gb']:.2f} | "
-              f"{r['resume']['equal']} |")
+        lines.append(f"| {r['engine']} | {r['fsdp2']} | {r['lora_rank']} | {r['device']} | {m['step_s']:.2f} | "
+                     f"{m['rollout_s']:.2f} | {m['weight_sync_s']:.3f} | {m['reference_s']:.2f} | "
+                     f"{m['train_s']:.2f} | {m['tokens_per_s']:.0f} | {m['logprob_gap_mean']:.2e} | "
+                     f"{r['engine_start_s']:.1f} | {r['engine_cuda_gb']:.2f} | {peak} / "
+                     f"{r['trainer_estimate_gb']:.2f} | {r['resume']['equal']} |")
+    if checked is not None:
+        lines += ["", f"`grpo.py --self_check {opts.self_check_flags}`: exit code {checked['returncode']}", "",
+                  *checked["table"]]
+    print("\n".join(lines))
+    with open(os.path.splitext(opts.out)[0] + ".md", "w") as f:  # the report: both tables
+        f.write("\n".join(lines) + "\n")
     return results
+
+
+def self_check(flags):
+    """grpo.py --self_check with `flags`, in a temporary folder -> {"returncode", "table": the report's lines}."""
+    with tempfile.TemporaryDirectory() as folder:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "--self_check", "--output_dir", folder,
+                               *flags], cwd=ROOT, capture_output=True, text=True)
+        table = [line for line in proc.stdout.splitlines() if line.startswith(("|", "self-check"))]
+        if proc.returncode and not table:
+            table = [f"self-check: {(proc.stderr.strip().splitlines() or [''])[-1]}"]
+    return {"returncode": proc.returncode, "table": table}
 
 
 def under_fsdp2(opts):
@@ -313,7 +345,9 @@ def under_fsdp2(opts):
     for engine_name in opts.engines:
         with tempfile.TemporaryDirectory() as folder:
             out = os.path.join(folder, "fsdp2.jsonl")
-            argv = [a for a in sys.argv[1:] if a != "--fsdp"]
+            argv = [a for a in sys.argv[1:] if a not in ("--fsdp", "--self_check")]  # the self-check: the first's
+            if "--self_check_flags" in argv:  # one value, which may start with "--"
+                del argv[argv.index("--self_check_flags"):argv.index("--self_check_flags") + 2]
             for flag in ("--engines", "--out"):  # this launch's own
                 if flag in argv:
                     i = argv.index(flag)

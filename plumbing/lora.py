@@ -80,21 +80,14 @@ class AdaptersOff(torch.nn.Module):
 def save_adapters_only(accelerator):
     """accelerate's checkpoints of a LoRA run keep the trained parameters alone (the adapters, a value head): the
     frozen base weights are the --model's, reloaded on resume (plumbing.run.load_checkpoint loads non-strictly and
-    checks every trained parameter was in the checkpoint). Under FSDP accelerate saves and loads each model's shards
-    itself and calls the save hook with no weights: there its own adapter-only mode (peft's state dict) is turned on
-    for a LoRA model."""
-    if accelerator.is_fsdp2:
+    checks every trained parameter was in the checkpoint). Under FSDP2 the trained parameters' shards alone
+    (trained_shards)."""
+    if accelerator.is_fsdp2:  # accelerate saves and loads each FSDP model itself, calling the hook with no weights
         import accelerate.accelerator
         from accelerate.utils import fsdp_utils
 
-        def adapter_only(function):  # accelerate.save_state / load_state call these for each FSDP model
-            def call(plugin, accel, model, directory, index=0, **kwargs):
-                return function(plugin, accel, model, directory, index, adapter_only=is_lora(
-                    accel.unwrap_model(model)), **kwargs)
-            return call
-
-        accelerate.accelerator.save_fsdp_model = adapter_only(fsdp_utils.save_fsdp_model)
-        accelerate.accelerator.load_fsdp_model = adapter_only(fsdp_utils.load_fsdp_model)
+        accelerate.accelerator.save_fsdp_model = trained_shards(fsdp_utils.save_fsdp_model, save=True)
+        accelerate.accelerator.load_fsdp_model = trained_shards(fsdp_utils.load_fsdp_model, save=False)
 
     def keep_trained(models, weights, output_dir):
         for model, state in zip(models, weights):
@@ -105,6 +98,34 @@ def save_adapters_only(accelerator):
                 for key in [key for key in state if key.removeprefix("module.") not in trained]:  # DDP's prefix
                     del state[key]
     accelerator.register_save_state_pre_hook(keep_trained)
+
+
+def trained_shards(accelerate_function, save):
+    """accelerate's save_fsdp_model or load_fsdp_model (save: which), for a LoRA model its trained parameters' shards
+    alone, in the folder accelerate uses (torch.distributed.checkpoint's state dict without the frozen parameters: its
+    names are the model's own under any wrapper, gradient checkpointing's too, which peft's adapter state dict, what
+    accelerate's adapter_only mode uses, does not restore). A load of a checkpoint that lacks a trained parameter
+    fails."""
+    def call(plugin, accelerator, model, directory, index=0, **kwargs):
+        if not is_lora(accelerator.unwrap_model(model)):
+            return accelerate_function(plugin, accelerator, model, directory, index, **kwargs)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+        folder = os.path.join(directory, f"pytorch_model_fsdp_{index}")
+        trained = {name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters()
+                   if p.requires_grad}  # (a frozen tied output layer keeps its second name in the state dict)
+        state = {"model": {name: tensor for name, tensor in get_model_state_dict(model, options=StateDictOptions(
+            ignore_frozen_params=True)).items() if name in trained}}
+        if len(state["model"]) != len(trained):  # names the state dict does not have would be saved and loaded never
+            raise RuntimeError(f"LoRA checkpoint: {len(trained) - len(state['model'])} trained parameters have no "
+                               "name in torch.distributed.checkpoint's state dict")
+        if save:
+            dcp.save(state, checkpoint_id=folder)
+        else:
+            dcp.load(state, checkpoint_id=folder)
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    return call
 
 
 def check_adapter_checkpoint(accelerator, checkpoint):

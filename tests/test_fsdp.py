@@ -103,11 +103,13 @@ def test_ppo_and_grpo_async_under_fsdp2(tmp_path):
 
 def test_a_lora_run_under_fsdp2_checkpoints_its_adapters_alone_and_resumes_exactly(tmp_path):
     """accelerate saves an FSDP model's shards itself (the save hook that filters a LoRA checkpoint sees no weights):
-    its adapter-only mode keeps the frozen base out of the checkpoint, and the resumed run is the uninterrupted one."""
+    plumbing/lora.py's trained_shards keeps the frozen base out of the checkpoint, and the resumed run is the
+    uninterrupted one, with gradient checkpointing's wrappers too (whose adapters peft's adapter state dict, what
+    accelerate's adapter-only mode loads, leaves as they were)."""
     import torch.distributed.checkpoint as dcp
 
     flags = ["--eval_every", "0", "--save_every", "2", "--lora_rank", "4", "--learning_rate", "1e-3", *SMALL,
-             "--micro_batch_size", "4"]
+             "--micro_batch_size", "4", "--gradient_checkpointing", "on"]
     run_grpo(["--total_steps", "2", "--exp_name", "lora", *flags], tmp_path, launcher=fsdp2(29559))
     saved = dcp.FileSystemReader(str(tmp_path / "lora__1" / "checkpoint" / "pytorch_model_fsdp_0")).read_metadata()
     keys = [key.removeprefix("model.") for key in saved.state_dict_metadata]

@@ -13,16 +13,21 @@ from tests.helpers import ROOT
 
 @pytest.mark.slow
 def test_gpu_step_at_a_tiny_shape(tmp_path):
-    """The one-GPU check's steps, plain and under FSDP2 with one process (--fsdp): the betas cycled (0: no reference
-    pass), the update repeated from a checkpoint equal to the first, a peak and an estimate reported."""
+    """The one-GPU check's steps, plain and under FSDP2 with one process (--fsdp), with LoRA: the betas cycled (0: no
+    reference pass), the update repeated from a checkpoint (FSDP2: the adapters' shards alone) equal to the first, a
+    peak and an estimate reported; then grpo.py's --self_check; one report of both."""
     out = tmp_path / "gpu_step.jsonl"
     proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--shape", "tiny", "--engines", "hf", "--steps",
                            "4", "--prompts", "4", "--generations", "2", "--new_tokens", "16", "--prompt_len", "8",
-                           "--micro_batch_size", "4", "--fsdp", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                           "--micro_batch_size", "4", "--fsdp", "--lora_rank", "4", "--self_check",
+                           "--self_check_flags", "--engine hf --prompts_per_step 4 --num_generations 2 "
+                           "--micro_batch_size 8", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain, sharded = [json.loads(line) for line in open(out)]
-    assert (plain["fsdp2"], sharded["fsdp2"]) == (False, True) and "| hf | True | cpu |" in proc.stdout
+    assert (plain["fsdp2"], sharded["fsdp2"]) == (False, True) and "| hf | True | 4 | cpu |" in proc.stdout
+    report = (tmp_path / "gpu_step.md").read_text()
+    assert "| hf | True | 4 | cpu |" in report and "exit code 0" in report and "| resume | PASS |" in report
     for result in (plain, sharded):
         assert result["engine"] == "hf" and result["resume"]["equal"] and result["trainer_estimate_gb"] > 0
         assert [step["beta"] for step in result["steps"]] == [0.04, 0.04, 0.0, 0.0]
