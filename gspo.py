@@ -227,7 +227,7 @@ def start_run(args):
     torch.set_num_threads(args.run.threads)
     set_mmap_threshold(args.run.malloc_mmap_threshold)  # if > 0, glibc hands what tensors free back to the system
     quiet_libraries()
-    accelerator = make_accelerator()  # bf16 on a GPU; DDP or FSDP2 (configs/) over GPUs or CPU processes
+    accelerator = make_accelerator(args.run.mixed_precision)  # bf16 on a GPU; DDP or FSDP2 over GPUs or CPUs
     run_dir = run_folder(args)
     try:
         args = resolve_args(args, accelerator.num_processes)

@@ -6,10 +6,15 @@ checkouts' runs alternating on the same machine, so both meet the same load.
         --save_every 0                                  # the toy, 40 steps, 3 rounds
     python benchmarks/against_checkout.py --baseline /tmp/base --rounds 3 --name smollm2 -- --model smollm2-135m ...
 
-Each round runs `python SCRIPT FLAGS` in the baseline checkout, then in this one (the same environment: this
-process's Python), one at a time. Per run: the median over steps (the first --skip left out) of time/step,
-time/train and time/rollout, and memory/rss_gb_max at the end; then the median over rounds of each, and this
-checkout's over the baseline's. Writes benchmarks/results/<name>.md (TINYRL_RESULTS: another folder).
+--env KEY=VALUE sets a variable for this checkout's runs alone: with `--baseline .` it times one checkout against
+itself under another setting, e.g. bf16 autocast on the CPU against float32:
+
+    python benchmarks/against_checkout.py --baseline . --env ACCELERATE_MIXED_PRECISION=bf16 --name bf16_toy -- ...
+
+Each round runs `python SCRIPT FLAGS` in the baseline checkout, then in this one (the same Python), one at a time.
+Per run: the median over steps (the first --skip left out) of time/step, time/train and time/rollout,
+memory/rss_gb_max at the end, and the last step's reward and accuracy (a setting that learns differently shows
+there); then the median over rounds of each, and this checkout's over the baseline's. Writes benchmarks/results/<name>.md (TINYRL_RESULTS: another folder).
 """
 
 import argparse
@@ -26,15 +31,17 @@ from toy_runs import ROOT, write_results  # noqa: E402
 KEYS = ("time/step", "time/train", "time/rollout")
 
 
-def one_run(checkout, script, flags, out_dir, skip):
-    """Run the script of `checkout` into out_dir -> its medians over steps and its peak RSS."""
+def one_run(checkout, script, flags, out_dir, skip, env=None):
+    """Run the script of `checkout` into out_dir, with `env` added to the environment -> its medians over steps, its
+    peak RSS and its last step's reward and accuracy."""
     start = time.time()
     subprocess.run([sys.executable, os.path.join(checkout, script), *flags, "--output_dir", out_dir, "--exp_name",
-                    "run"], cwd=checkout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    "run"], cwd=checkout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, **(env or {})})
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "run__1", "metrics.jsonl"))]
     kept = rows[skip:] or rows
     return {**{k: statistics.median(r[k] for r in kept) for k in KEYS}, "rss_gb": rows[-1]["memory/rss_gb_max"],
-            "wall_s": time.time() - start}
+            "reward": rows[-1]["charts/reward"], "accuracy": rows[-1]["charts/accuracy"], "wall_s": time.time() - start}
 
 
 def main():
@@ -45,27 +52,33 @@ def main():
     parser.add_argument("--skip", type=int, default=1, help="leading steps left out of each run's medians")
     parser.add_argument("--name", default="against_checkout")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for this checkout's runs alone (repeatable)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: the script's flags for every run")
     args = parser.parse_args()
     flags = [a for a in args.flags if a != "--"]
+    env = dict(item.split("=", 1) for item in args.env)
     checkouts = {"baseline": os.path.abspath(args.baseline), "this": ROOT}
     runs = {side: [] for side in checkouts}
     for r in range(args.rounds):
         for side, checkout in checkouts.items():
             out = os.path.join(args.out_dir, args.name, side, str(r))
-            runs[side].append(one_run(checkout, args.script, flags, out, args.skip))
+            runs[side].append(one_run(checkout, args.script, flags, out, args.skip, env if side == "this" else None))
             print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[side][-1].items()), flush=True)
     median = {side: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for side, rs in runs.items()}
     commit = subprocess.run(["git", "-C", checkouts["baseline"], "log", "-1", "--format=%h %s"], capture_output=True,
                             text=True).stdout.strip()[:100]
+    env_flags = "".join(f" --env {item}" for item in args.env)
     lines = [f"# {args.name}", "", f"Command: `python benchmarks/against_checkout.py --baseline BASELINE --script "
-             f"{args.script} --rounds {args.rounds} --skip {args.skip} --name {args.name} -- {' '.join(flags)}`; "
+             f"{args.script} --rounds {args.rounds} --skip {args.skip}{env_flags} --name {args.name} -- "
+             f"{' '.join(flags)}`; "
              f"baseline: {commit or checkouts['baseline']}; runs one at a time, the checkouts alternating; 1-min load "
              f"average at the end {os.getloadavg()[0]:.2f}.", "",
-             "| side | round | " + " | ".join(f"{k} s" for k in KEYS) + " | peak RSS GB |", "|---|---|---|---|---|---|"]
+             "| side | round | " + " | ".join(f"{k} s" for k in KEYS) + " | peak RSS GB | last reward | last accuracy |",
+             "|---|---|---|---|---|---|---|---|"]
     for side, rs in runs.items():
-        lines += [f"| {side} | {r + 1} | " + " | ".join(f"{run[k]:.3f}" for k in KEYS) + f" | {run['rss_gb']:.2f} |"
-                  for r, run in enumerate(rs)]
+        lines += [f"| {side} | {r + 1} | " + " | ".join(f"{run[k]:.3f}" for k in KEYS) + f" | {run['rss_gb']:.2f} | "
+                  f"{run['reward']:.4f} | {run['accuracy']:.4f} |" for r, run in enumerate(rs)]
     lines += ["", "Medians over rounds, and this checkout over the baseline:", "",
               "| | " + " | ".join(f"{k} s" for k in KEYS) + " | peak RSS GB |", "|---|---|---|---|---|"]
     for side in checkouts:

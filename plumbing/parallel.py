@@ -15,10 +15,10 @@ BREAK_PUSH_VARIABLE = "TINYRL_BREAK_WEIGHT_PUSH"  # "1": policy_weights adds noi
 VLLM_SUPPORTED = ((0, 26), (0, 40))  # [lowest, first unsupported): the releases whose push API the engine code uses
 
 
-def make_accelerator():
-    """The run's Accelerator. The precision is the launch's (`accelerate launch` passes its config's in
-    ACCELERATE_MIXED_PRECISION; a plain `python` run may set that variable too), by default bf16 autocast on a GPU and
-    none on CPUs (torch autocasts to bf16 there too: the GPU's precision path runs on CPU processes); under FSDP2 with
+def make_accelerator(precision="auto"):
+    """The run's Accelerator. precision (--mixed_precision): "no" or "bf16", or "auto": the launch's (`accelerate
+    launch` passes its config's in ACCELERATE_MIXED_PRECISION), by default bf16 autocast on a GPU and none on CPUs
+    (torch autocasts to bf16 there too: the GPU's precision path runs on CPU processes); under FSDP2 with
     bf16 the gradients are reduced in float32 (accelerate's bf16 policy reduces in bf16). On CPUs: gloo when launched
     as several processes, and FSDP2 when the launch asks for it (configs/fsdp2.yaml): accelerate 1.15 enables FSDP only
     on accelerators and otherwise silently wraps the model in DDP; everything after that switch (fully_shard on the
@@ -28,8 +28,9 @@ def make_accelerator():
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
     on_gpu = torch.cuda.is_available()
-    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION",
-                                                                             "bf16" if on_gpu else "no"),
+    if precision == "auto":
+        precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16" if on_gpu else "no")
+    accelerator = Accelerator(cpu=not on_gpu, mixed_precision=precision,
                               # DDP: the gradients are views into its all-reduce buckets,
                               kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])  # not a copy
     state = accelerator.state

@@ -54,6 +54,10 @@ class RunArgs:
     (4194304 on the README's SmolLM2 run: 0.8 GiB less, 1.04-1.23x the step time); 0: glibc's default, a threshold
     that rises to 32 MiB, under which freed tensors stay in a heap that fragments (MALLOC_MMAP_THRESHOLD_ in the
     environment wins)"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16: the model computes in bf16 under autocast, its weights, gradients and optimizer state float32 (on a CPU
+    with AMX or AVX-512 bf16 the README's SmolLM2 step took 0.77x the time; the toy's 1.39x); auto: the launch's
+    (accelerate launch --mixed_precision), else bf16 on a GPU and none on a CPU"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute each decoder layer in the backward pass instead of keeping its activations (auto: on for any model
     but the embedded one; benchmarks/memory.py has what it saves and costs)"""

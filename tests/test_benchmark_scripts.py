@@ -358,10 +358,12 @@ def test_vs_trl_runs_both_sides(tmp_path):
 
 @pytest.mark.slow
 def test_against_checkout_compares_two_checkouts_runs(tmp_path):
-    """This checkout against itself as the baseline, one round of 2 steps each: both sides' rows and their ratio."""
+    """This checkout against itself as the baseline, its own runs under bf16 autocast (--env), one round of 2 steps
+    each: both sides' rows and their ratio."""
     out = run_benchmark(["benchmarks/against_checkout.py", "--baseline", ROOT, "--rounds", "1", "--name", "self",
-                         "--out_dir", str(tmp_path / "runs"), "--", "--total_steps", "2", "--eval_every", "0",
-                         "--save_every", "0", *TINY_RUN[:8]], tmp_path)
+                         "--env", "ACCELERATE_MIXED_PRECISION=bf16", "--out_dir", str(tmp_path / "runs"), "--",
+                         "--total_steps", "2", "--eval_every", "0", "--save_every", "0", *TINY_RUN[:8]], tmp_path)
+    assert "--env ACCELERATE_MIXED_PRECISION=bf16" in out
     assert (tmp_path / "self.md").read_text().strip() in out
     rows = table_rows(out, 5)
     assert [row[0] for row in rows[-3:]] == ["baseline", "this", "this / baseline"]

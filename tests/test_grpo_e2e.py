@@ -349,6 +349,15 @@ def test_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_mixed_precision_bf16_on_one_cpu_process(tmp_path):
+    """--mixed_precision bf16 in a plain run: the model computes in bf16 (the engine/trainer gap of a bf16 trainer,
+    far above float32's)."""
+    _, float32 = run_grpo(["--total_steps", "1", "--eval_every", "0", *SMALL, "--exp_name", "f32"], tmp_path)
+    _, bf16 = run_grpo(["--total_steps", "1", "--eval_every", "0", *SMALL, "--mixed_precision", "bf16"], tmp_path)
+    assert float32[0]["rollout/logprob_gap_mean"] < 1e-5 < bf16[0]["rollout/logprob_gap_mean"] < 0.1
+
+
+@pytest.mark.slow
 def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
     """A MATH-shaped file whose golds are LaTeX (\\frac{104}{2} for 07+45=): the toy model's <answer>052</answer> is
     only right through math-verify, so the warm reward workers do the scoring inside the loop."""
