@@ -132,7 +132,8 @@ for folder in (sys.argv[1], os.path.join(sys.argv[1], f"node{accelerator.process
         results.append(str(e))
 accelerator.wait_for_everyone()
 left = [name for _, _, names in os.walk(sys.argv[1]) for name in names]
-print(json.dumps({"rank": accelerator.process_index, "results": results, "left": left}))
+with open(os.path.join(sys.argv[2], f"rank{accelerator.process_index}.json"), "w") as f:  # not stdout: lines interleave
+    json.dump({"rank": accelerator.process_index, "results": results, "left": left}, f)
 """
 
 
@@ -143,11 +144,10 @@ def test_every_process_must_see_the_same_output_dir(tmp_path):
     script = tmp_path / "shared_folder_check.py"
     script.write_text(SHARED_FOLDER_CHECK)
     (tmp_path / "out").mkdir()
-    proc = subprocess.run([*two_processes(29573), str(script), str(tmp_path / "out")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.run([*two_processes(29573), str(script), str(tmp_path / "out"), str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-                   key=lambda r: r["rank"])
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         shared, separate = r["results"]
