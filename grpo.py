@@ -43,7 +43,7 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 
 from plumbing.engine import HFDecoder, Sample, create_engine
-from plumbing.evaluation import pass_rates
+from plumbing.evaluation import pass_rates, start_tracking
 from plumbing.memory import memory_line, trainer_memory
 from plumbing.models import for_training, load_tokenizer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
@@ -450,9 +450,10 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
 
 
-def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version):
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version, tracking):
     """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate over every process's share of the
-    test rows (plumbing/evaluation.py), each process sampling its share through generate(), as the rollouts do."""
+    test rows (plumbing/evaluation.py), each process sampling its share through generate(), as the rollouts do; and
+    what else training changed (tracking: other tasks' accuracy, the forward KL to the initial policy)."""
 
     def sample_texts(prompts, n, temperature, top_p):
         samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
@@ -460,7 +461,17 @@ def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_v
         return tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
 
     # the HF decode loop takes 64 prompts at a time; vLLM batches itself (a greedy and a sampled call: one wake each)
-    return pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, 64 if engine.llm is None else None)
+    chunk_size = 64 if engine.llm is None else None
+    return {**pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, chunk_size),
+            **tracking.evaluate(sample_texts, functools.partial(sequence_logprobs, args, model, tokenizer, accelerator),
+                                tokenizer, accelerator, chunk_size)}
+
+
+def sequence_logprobs(args, model, tokenizer, accelerator, prompts, samples):
+    """log pi(completion | prompt), summed over each completion's tokens, (B,), and their counts, (B,)."""
+    batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
+    logp = batched_logprobs(model, batch, args.temperature, accelerator, len(batch), args.micro_batch_size)
+    return (logp * batch.mask).sum(-1), batch.mask.sum(-1)
 
 
 # ---- Step statistics ------------------------------------------------------------------------------------------------
@@ -566,9 +577,14 @@ def main(args):
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
                                                  args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
                                   args.run.vllm_gpu_memory_utilization if engine.asleep else None))
+    tracking = start_tracking(args, setup, tokenizer, accelerator, lambda prompts: generate(  # before any update
+        engine, model, tokenizer, prompts, 1, args.temperature, 1.0, args.max_new_tokens, accelerator, 0)[0],
+        functools.partial(sequence_logprobs, args, model, tokenizer, accelerator))
     if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
-        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, policy_version=0)
+        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, policy_version=0,
+                          tracking=tracking)
         write_eval_only(accelerator, run_dir, args.model, result)
+        tracking.close()
         return scorer.close()
     start_step = load_checkpoint(accelerator, setup.checkpoint) if setup.checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
@@ -615,7 +631,8 @@ def main(args):
         metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
         if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
             start = time.time()
-            metrics.update(evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, step))
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, step,
+                                    tracking))
             metrics["time/eval"] = time.time() - start
         if accelerator.is_main_process:
             log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
@@ -632,6 +649,7 @@ def main(args):
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
     scorer.close()
+    tracking.close()
     if accelerator.is_main_process:
         close_metrics(metrics_file, args.run.track)
 

@@ -39,7 +39,7 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 
 from plumbing.engine import HFDecoder, Sample, create_engine
-from plumbing.evaluation import pass_rates
+from plumbing.evaluation import pass_rates, start_tracking
 from plumbing.memory import memory_line, trainer_memory
 from plumbing.models import for_training, load_tokenizer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
@@ -534,9 +534,10 @@ def model_text(tokenizer, sample, mask):
 # ---- Evaluation -----------------------------------------------------------------------------------------------------
 
 
-def evaluate(args, engine, model, tokenizer, scorer, sandbox, rows, accelerator, policy_version):
+def evaluate(args, engine, model, tokenizer, scorer, sandbox, rows, accelerator, policy_version, tracking):
     """Held-out pass@1 (greedy and sampled), pass@k, the greedy format rate (plumbing/evaluation.py) and tool calls per
-    greedy completion over every process's share of the test rows; completions may call the tool, as in training."""
+    greedy completion over every process's share of the test rows; completions may call the tool, as in training; and
+    what else training changed (tracking: other tasks' accuracy, the forward KL to the initial policy)."""
     greedy_calls = torch.zeros((), device=accelerator.device)
 
     def sample_texts(prompts, n, temperature, top_p):
@@ -547,7 +548,19 @@ def evaluate(args, engine, model, tokenizer, scorer, sandbox, rows, accelerator,
 
     metrics = pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, chunk_size=64)
     calls = accelerator.reduce(greedy_calls, reduction="sum").item()
-    return {**metrics, "eval/tool_calls_greedy": calls / max(1, metrics["eval/problems"])}
+    return {**metrics, "eval/tool_calls_greedy": calls / max(1, metrics["eval/problems"]), **tracking.evaluate(
+        sample_texts, functools.partial(sequence_logprobs, args, model, tokenizer, accelerator), tokenizer,
+        accelerator, 64)}
+
+
+def sequence_logprobs(args, model, tokenizer, accelerator, prompts, samples, masks):
+    """log pi(completion | prompt), summed over the tokens the policy wrote (masks: 1 on them; the tool's output is
+    context), (B,), and their counts, (B,)."""
+    batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
+    batch.mask = batch.mask * torch.tensor([m + [0] * (batch.mask.shape[1] - len(m)) for m in masks],
+                                           dtype=batch.mask.dtype, device=batch.mask.device)
+    logp = batched_logprobs(model, batch, args.temperature, accelerator, len(batch), args.micro_batch_size)
+    return (logp * batch.mask).sum(-1), batch.mask.sum(-1)
 
 
 # ---- Step statistics ------------------------------------------------------------------------------------------------
@@ -659,11 +672,15 @@ def main(args):
     accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
                                                  args.max_prompt_length + completion_len, completion_len),
                                   args.run.vllm_gpu_memory_utilization if engine.asleep else None))
+    tracking = start_tracking(args, setup, tokenizer, accelerator, lambda prompts: rollout(  # before any update
+        args, engine, model, tokenizer, sandbox, prompts, 1, args.temperature, 1.0, accelerator, 0)[:2],
+        functools.partial(sequence_logprobs, args, model, tokenizer, accelerator))  # (the tool's output masked)
     if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
         result = evaluate(args, engine, model, tokenizer, scorer, sandbox, setup.test_rows, accelerator,
-                          policy_version=0)
+                          policy_version=0, tracking=tracking)
         write_eval_only(accelerator, run_dir, args.model, result)
         sandbox.close()
+        tracking.close()
         return scorer.close()
     start_step = load_checkpoint(accelerator, setup.checkpoint) if setup.checkpoint else 1
     metrics_file = open_metrics(accelerator, run_dir, args, start_step)
@@ -716,7 +733,7 @@ def main(args):
         if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
             start = time.time()
             metrics.update(evaluate(args, engine, model, tokenizer, scorer, sandbox, setup.test_rows, accelerator,
-                                    step))
+                                    step, tracking))
             metrics["time/eval"] = time.time() - start
         if accelerator.is_main_process:
             log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
@@ -734,6 +751,7 @@ def main(args):
             save_checkpoint(accelerator, model, tokenizer, run_dir, step)
     save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
     scorer.close()
+    tracking.close()
     sandbox.close()
     if accelerator.is_main_process:
         close_metrics(metrics_file, args.run.track)

@@ -1,8 +1,15 @@
-"""Held-out accuracy of the policy: pass@1 greedy and sampled, pass@k and the greedy format rate, over processes."""
+"""Held-out accuracy of the policy: pass@1 greedy and sampled, pass@k and the greedy format rate, over processes; and
+what training changed beyond its task (Tracking): other tasks' accuracy and the forward KL to the initial policy."""
+
+import os
+import re
 
 import torch
 
+from plumbing.engine import Sample
+from utils.rewards import EXTRACTORS, RewardScorer
 from utils.rl import pass_at_k
+from utils.tasks import TOY_TASKS, load_task
 
 
 def pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, run, chunk_size=None):
@@ -33,3 +40,115 @@ def pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, run, chunk_si
     return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{run.eval_samples}":
             (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
             "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
+
+
+def prior_task_name(task):
+    """The metric-key name of a --prior_tasks entry: rg:chain_sum:min_terms=2 -> rg-chain_sum-min_terms-2."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", os.path.basename(task.rstrip("/"))).strip("-")
+
+
+def check_prior_tasks(tasks):
+    """Distinct metric names (two configurations of one task must differ in their options, which the name keeps)."""
+    names = [prior_task_name(task) for task in tasks]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--prior_tasks {' '.join(tasks)}: two of them would log under one name; give distinct tasks")
+
+
+class Tracking:
+    """What training changed beyond its task, measured at every evaluation (RL's Razor, arXiv 2509.04259, measures
+    forgetting as accuracy lost on prior tasks, and finds it predicted by the forward KL on the new task):
+
+    - prior/<task>/...: for each --prior_tasks task, greedy pass@1 on its first --prior_eval_size test problems as its
+      reward checks it (pass@1_greedy, format_greedy), and leniently (pass@1_lenient: the last number where the
+      asked-for form is missing, lm-evaluation-harness's flexible extract): an untrained model answers in its own form
+      ("4 + 7 = 11"), and what it can compute is what training may take away.
+    - eval/forward_kl: KL(pi_0 || pi_theta) = E_{x, y ~ pi_0}[log pi_0(y|x) - log pi_theta(y|x)] in nats per
+      completion, on the first --kl_prompts test prompts of the training task, one completion each sampled from the
+      initial policy pi_0 at --temperature at the run's start (kept in the run's folder, so a resumed run measures
+      against the same samples); the Monte Carlo estimate is unbiased and can come out below 0. eval/forward_kl_token
+      divides by the completions' tokens.
+    """
+
+    def __init__(self, tasks, run, tokenizer, answer_format, instruction, max_prompt_length):
+        self.run, self.prior, self.kl = run, [], None
+        for task in tasks:
+            task_format = "answer_tags" if task in TOY_TASKS else answer_format
+            rows, _ = load_task(task, "test", tokenizer, task_format, max_prompt_length, run.prior_eval_size,
+                                instruction)
+            scorer = RewardScorer(task, task_format, 1, run.reward_timeout, run.reward_memory_mb, lenient=True)
+            self.prior.append((prior_task_name(task), rows[:run.prior_eval_size], EXTRACTORS[task_format], scorer))
+
+    def start_kl(self, path, resumed, rows, tokenizer, sample, sequence_logprobs, accelerator):
+        """This process's share of the first --kl_prompts test rows, a completion of each sampled from the initial
+        policy by sample(prompts) -> Samples (or (Samples, masks): per completion a 0/1 list, 1 on the policy's own
+        tokens), and its log-probs (sequence_logprobs(prompts, samples[, masks]) -> (sums, token counts)), saved at
+        `path`; a resumed run reads them there (pi_0 is gone), or, if any process finds none, measures no KL."""
+        world = accelerator.num_processes
+        mine = rows[:min(self.run.kl_prompts, len(rows)) // world * world][accelerator.process_index::world]
+        if resumed:
+            found = accelerator.reduce(torch.tensor(float(os.path.exists(path)), device=accelerator.device), "sum")
+            if found.item() == world:
+                self.kl = torch.load(path)
+            else:
+                accelerator.print(f"forward KL off: {path} holds no samples of the initial policy (the run started "
+                                  "without them)")
+        elif mine:
+            prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+            with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+                drawn = sample(prompts)  # the run's own random stream is left as it was: with or without the KL, a
+                # run trains alike (a vLLM engine's stream is its own, and moves)
+            samples, masks = drawn if isinstance(drawn, tuple) else (drawn, None)  # masks: grpo_tools.py's model tokens
+            self.kl = {"prompts": prompts, "completions": [s.token_ids for s in samples], "masks": masks}
+            self.kl["base"] = self._logprobs(sequence_logprobs)[0].cpu()
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(self.kl, path + ".tmp")
+            os.replace(path + ".tmp", path)
+
+    def _logprobs(self, sequence_logprobs):
+        samples = [Sample(ids, None, False) for ids in self.kl["completions"]]
+        masks = () if self.kl["masks"] is None else (self.kl["masks"],)
+        return sequence_logprobs(self.kl["prompts"], samples, *masks)
+
+    def evaluate(self, sample_texts, sequence_logprobs, tokenizer, accelerator, chunk_size=None):
+        """The metrics above, reduced over processes; sample_texts and chunk_size as pass_rates takes them."""
+        world, result = accelerator.num_processes, {}
+        for name, rows, strict, scorer in self.prior:
+            mine = rows[:len(rows) // world * world][accelerator.process_index::world]
+            prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+            totals = torch.zeros(4, device=accelerator.device)  # strict, lenient, format, problems
+            size = chunk_size or max(1, len(prompts))
+            for start in range(0, len(prompts), size):
+                texts = sample_texts(prompts[start:start + size], 1, 0.0, 1.0)
+                lenient, formats, _ = scorer.result(scorer.submit(texts, mine[start:start + size]))
+                totals += torch.tensor([sum(a for a, t in zip(lenient, texts) if strict(t) is not None),
+                                        sum(lenient), sum(formats), len(texts)], device=accelerator.device)
+            totals = accelerator.reduce(totals, reduction="sum")
+            n = totals[3].clamp(min=1)
+            result.update({f"prior/{name}/pass@1_greedy": (totals[0] / n).item(),
+                           f"prior/{name}/pass@1_lenient": (totals[1] / n).item(),
+                           f"prior/{name}/format_greedy": (totals[2] / n).item()})
+        if self.kl is not None:
+            logp, counts = self._logprobs(sequence_logprobs)
+            totals = accelerator.reduce(torch.stack([(self.kl["base"].to(logp.device) - logp).sum(), counts.sum(),
+                                                     logp.new_tensor(len(counts))]), reduction="sum")
+            result.update({"eval/forward_kl": (totals[0] / totals[2]).item(),
+                           "eval/forward_kl_token": (totals[0] / totals[1].clamp(min=1)).item()})
+        return result
+
+    def close(self):
+        for *_, scorer in self.prior:
+            scorer.close()
+
+
+def start_tracking(args, setup, tokenizer, accelerator, sample, sequence_logprobs):
+    """What a script's evaluate() measures beyond the training task: --prior_tasks, and the forward KL to the initial
+    policy, whose completions sample(prompts) draws here, before any update (a resumed run reads them from its
+    folder); nothing when the run does not evaluate. args: the script's Args; setup: its Setup."""
+    evaluates = bool(args.run.eval_every or args.run.eval_only)
+    tracking = Tracking(args.run.prior_tasks if evaluates else (), args.run, tokenizer, args.answer_format,
+                        args.instruction, args.max_prompt_length)
+    if evaluates and args.run.kl_prompts and not args.run.eval_only:  # (an evaluation of pi_0 alone has KL 0)
+        tracking.start_kl(os.path.join(setup.run_dir, f"forward_kl_base.{accelerator.process_index}.pt"),
+                          setup.checkpoint is not None, setup.test_rows, tokenizer, sample, sequence_logprobs,
+                          accelerator)
+    return tracking

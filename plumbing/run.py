@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from plumbing.engine import uses_vllm
+from plumbing.evaluation import check_prior_tasks
 from plumbing.lora import check_adapter_checkpoint, is_lora, merged_weights
 from plumbing.models import gguf_file
 from plumbing.parallel import check_vllm
@@ -98,6 +99,15 @@ class RunArgs:
     """sampled-eval temperature (DeepSeek-R1 convention)"""
     eval_top_p: float = 0.95
     """sampled-eval top-p"""
+    prior_tasks: tuple[str, ...] = ()
+    """held-out tasks (any --task value) evaluated at every evaluation beside the training task, greedy, as their
+    rewards check them and leniently (the last number where the asked-for form is missing), each under
+    prior/<task>/ (plumbing/evaluation.py Tracking): what training took away from what the model could do"""
+    prior_eval_size: int = 100
+    """test problems of each prior task"""
+    kl_prompts: int = 32
+    """the forward KL to the initial policy, KL(pi_0 || pi_theta), on this many test prompts of the training task at
+    every evaluation (eval/forward_kl), one completion each sampled from pi_0 at the run's start; 0: off"""
     eval_only: bool = False
     """evaluate --model and exit"""
     self_check: bool = False
@@ -155,7 +165,8 @@ def save_model(accelerator, model, tokenizer, path):
 
 # flags that do not change what a run computes, or are in its name already
 UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track", "wandb_project",
-                 "log_completions_every", "html_every", "html_groups", "self_check", "malloc_mmap_threshold")
+                 "log_completions_every", "html_every", "html_groups", "self_check", "malloc_mmap_threshold",
+                 "prior_tasks", "prior_eval_size", "kl_prompts")
 
 
 def run_name(script, args, exp_name, model, task, seed):
@@ -428,10 +439,15 @@ def check_run_args(run, total_steps):
     """The run's plumbing flags (RunArgs) and the step count."""
     check_positive(run, "reward_timeout", "eval_samples", "threads", "html_groups")
     for name in ("eval_every", "save_every", "log_completions_every", "html_every", "eval_temperature", "reward_workers",
-                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop", "malloc_mmap_threshold"):
+                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop", "malloc_mmap_threshold", "kl_prompts"):
         if not getattr(run, name) >= 0:
             raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")
     check_fraction(run, "eval_top_p")
+    if run.prior_tasks:
+        check_positive(run, "prior_eval_size")
+        for task in run.prior_tasks:
+            check_task(task)
+        check_prior_tasks(run.prior_tasks)
     if total_steps < 1 and not run.eval_only:
         raise ValueError(f"--total_steps {total_steps}: must be >= 1 (use --eval_only to only evaluate)")
     if run.eval_size < 1 and (run.eval_every or run.eval_only):

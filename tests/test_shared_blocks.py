@@ -19,7 +19,8 @@ ARGS_GROUP = re.compile(r"^    # (.+)$", re.MULTILINE)  # `    # rollout`: a gro
 ARGS_FIELD = re.compile(r"^    (\w+): .*\n(?:    \"\"\"(?:[^\"]|\"(?!\"\"))*\"\"\"\n)?", re.MULTILINE)  # a field and its doc
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
-    "Run setup": ("grpo_tools.py",),  # the tool's output lengthens the context; the prompt has the tool instruction
+    "Run setup": ("grpo_tools.py",  # the tool's output lengthens the context; the prompt has the tool instruction
+                  "sft.py"),  # one target per prompt (gold) or G samples (rft); no importance weights to check
     "Rollout batch": ("high_entropy.py",  # + pi_old's entropies
                       "grpo_async.py",  # + the tokens this step's weights sampled
                       "ppo.py"),  # + the critic's values and returns
@@ -28,11 +29,13 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
         "grpo_async.py",  # + generate_partial: generation that stops once enough groups are complete
         "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the context holds tool output
     "Evaluation": ("grpo_tools.py",),  # test completions may call the tool too
-    "Policy update": ("ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
+    "Policy update": ("sft.py",  # the negative log-likelihood of the fitted targets, mini-batches without any skipped
+                      "ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
                       "high_entropy.py",  # the mini-batch's entropy threshold masks the policy gradient
                       "clip_cov.py",  # --tis_cap's weights go to the loss apart from A: the selection ranks A alone
                       "grpo_async.py"),  # the engine/trainer gap over this step's tokens only
-    "Training loop": ("reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
+    "Training loop": ("sft.py",  # targets (gold answers or the policy's correct samples) instead of advantages
+                      "reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
                       "ppo.py",  # the critic: its values, per-token rewards, GAE
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
                       "gdpo.py",  # the advantage takes the reward's parts, not their sum
@@ -44,6 +47,8 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
 FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may differ in a block declared different
     ("grpo_tools.py", "resolve_args"),  # the embedded model's default leaves room for a tool call
     ("grpo_tools.py", "start_run"),  # the tool instruction and the tool output's positions
+    ("grpo_tools.py", "sequence_logprobs"),  # the forward KL over the model's own tokens (tool output masked)
+    ("sft.py", "resolve_args"),  # its own learning-rate default, and a group of 1 with gold targets
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
     "model": ("grpo_tools.py",),  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool

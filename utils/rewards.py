@@ -79,6 +79,22 @@ def extract_answer_tag(text):
 
 
 EXTRACTORS = {"boxed": extract_boxed, "answer_tags": extract_answer_tag}  # the answer formats a completion is asked for
+LAST_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
+
+
+def lenient_extractor(answer_format):
+    """The asked-for form's answer, else the last number in the text (lm-evaluation-harness's "flexible-extract" of
+    GSM8K): what a model can compute whatever form it answers in ("4 + 7 = 11" reads 11). The prior-task evaluation's
+    measure (plumbing/evaluation.py); never a reward."""
+    strict = EXTRACTORS[answer_format]
+
+    def extract(text):
+        answer = strict(text)
+        if answer is not None:
+            return answer
+        numbers = LAST_NUMBER.findall(text[-2000:])  # a bounded scan: the end of the text is where answers are
+        return numbers[-1].rstrip(",") if numbers else None
+    return extract
 
 
 def format_reward(text, answer_format):
@@ -289,7 +305,8 @@ class RewardScorer:
     A gold is the gold answer string, or the task row ({"answer", and "entry" for a reasoning-gym task}).
     """
 
-    def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024, compare_numbers=True):
+    def __init__(self, task, answer_format, num_workers=1, timeout=5.0, memory_mb=1024, compare_numbers=True,
+                 lenient=False):
         from utils.tasks import TOY_TASKS  # here: utils/tasks.py imports this module
 
         num_workers = num_workers or default_reward_workers()  # 0: this process's share of the cores
@@ -298,6 +315,8 @@ class RewardScorer:
         self.compare_numbers = compare_numbers and not self.rg_task  # settle plain numbers here (False: every check
         # goes to the workers)
         self.extract = extract_answer_tag if self.exact else EXTRACTORS[answer_format]
+        if lenient:  # the last number where the asked-for form is missing (prior tasks' evaluation, never a reward)
+            self.extract = lenient_extractor("answer_tags" if self.exact else answer_format)
         self.answer_format, self.timeout = answer_format, timeout
         self.lock, self.failure, self.pool = threading.Lock(), None, None
         if self.exact:

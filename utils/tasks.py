@@ -38,6 +38,7 @@ USER_INSTRUCTIONS = {  # a copy of the placeholder is never a readable answer (u
     "boxed": f"Give the final answer as \\boxed{{{ANSWER_PLACEHOLDER}}}.",
     "answer_tags": f"Give the final answer as <answer>{ANSWER_PLACEHOLDER}</answer>.",
 }
+ANSWER_DELIMITERS = {"boxed": ("\\boxed{", "}"), "answer_tags": ("<answer>", "</answer>")}  # around the answer
 PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -244,6 +245,13 @@ def format_prompt(tokenizer, question, answer_format, instruction="system", tool
         messages = [{"role": "system", "content": tool + SYSTEM_PROMPTS[answer_format]},
                     {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def gold_completion(answer, answer_format):
+    """The gold answer alone, written as the reward reads it: "\\boxed{72}", "<answer>052</answer>" (sft.py's targets;
+    the prior-task evaluation's forced opening is its first delimiter)."""
+    opening, closing = ANSWER_DELIMITERS[answer_format]
+    return f"{opening}{answer}{closing}"
 
 
 def load_task(task, split, tokenizer, answer_format="boxed", max_prompt_length=512, eval_size=500,

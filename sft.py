@@ -1,0 +1,594 @@
+"""SFT: supervised fine-tuning, the baseline that RL post-training is compared with (RL's Razor, arXiv 2509.04259).
+
+Minimize the negative log-likelihood of target completions y_i given prompts x_i, per token over the mini-batch:
+
+  L(theta) = - 1 / (sum_i |y_i|) * sum_i sum_t log pi_theta(y_it | x_i, y_i<t)
+
+The targets (--data):
+- gold: y_i is the task's gold answer written in the form the reward checks (\\boxed{72}, <answer>052</answer>),
+  then the end-of-turn token: supervision from outside the policy. The tasks here carry answers, not the reasoning
+  that reaches them, so the model learns to answer at once.
+- rft: rejection-sampling fine-tuning (RFT, arXiv 2308.01825; STaR's filter, arXiv 2203.14465): each step samples
+  G completions per prompt from the current policy, as GRPO does, and fits the correct ones (accuracy 1), weight 1
+  each, the others weight 0: supervised learning on the policy's own samples. Its gradient is a policy gradient
+  with reward 1 on correct completions, 0 elsewhere, no baseline, normalized per token, i.e. on-policy
+  (RL's Razor, §5, finds such on-policy supervision forgets as little as RL does). A step with no correct
+  completion takes no optimizer step (AdamW's moments would move the weights on a zero gradient).
+
+The log-probs are the model's own (temperature 1); --temperature is the rft rollouts' sampling temperature. No
+reference model, no KL, no clipping: mu = num_epochs * num_minibatches optimizer steps per batch, each on its
+mini-batch's tokens. Evaluation, prior-task tracking (--prior_tasks) and the forward KL to the initial policy are
+every script's (plumbing/evaluation.py), so `diff grpo.py sft.py` shows what RL changes.
+
+Shapes: a step has B = prompts_per_step targets (gold) or prompts_per_step * G samples (rft), T completion
+positions (right-padded); each of W processes holds B/W of them.
+"""
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Optional
+
+import numpy as np
+import torch
+import tyro
+from torch.utils.checkpoint import checkpoint
+
+from plumbing.engine import HFDecoder, Sample, create_engine
+from plumbing.evaluation import pass_rates, start_tracking
+from plumbing.memory import memory_line, trainer_memory
+from plumbing.models import for_training, load_tokenizer, resolve_model
+from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
+from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_model_config, check_model_and_task,
+                          check_positive, check_run_args, close_metrics, largest_divisor, load_checkpoint, log_step,
+                          open_metrics, quiet_libraries, resume_checkpoint, run_name, save_checkpoint, save_model,
+                          set_mmap_threshold, step_metrics, write_eval_only)
+from plumbing.selfcheck import self_check
+from utils.rewards import RewardScorer
+from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, gold_completion, is_toy_shaped, load_splits
+
+
+@dataclass
+class Args:
+    # SFT
+    data: Literal["gold", "rft"] = "gold"
+    """gold: the task's gold answers in the checked form; rft: the policy's own correct samples (rejection sampling)"""
+    num_generations: int = 8
+    """G, completions sampled per prompt with --data rft (the correct ones are fitted)"""
+    prompts_per_step: int = 32
+    """prompts per step, over all processes: as many gold targets, or prompts_per_step * G samples (rft)"""
+    temperature: float = 1.0
+    """sampling temperature of the rft rollouts (the loss takes the model's own log-probs, temperature 1)"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None: 5e-4 for the embedded model (and models trained from it), else 1e-5"""
+    # model and task
+    model: str = TOY_MODEL_DIR
+    """model folder, hub id, .gguf file, or smollm2-135m (SmolLM2-135M-Instruct from pip); default: the embedded toy"""
+    task: str = "toy"
+    """toy, toy_mul, gsm8k, math, rg:NAME[:key=value,...] (reasoning-gym), or a local .jsonl/.parquet file (or folder
+    with train.* and test.*) of {prompt, answer} rows"""
+    answer_format: Literal["boxed", "answer_tags"] = "boxed"
+    """what the prompt asks for and the reward extracts (the toy tasks always use answer tags)"""
+    instruction: Literal["system", "user"] = "system"
+    """where the answer-format instruction goes: a system turn, or after the question (small models start better)"""
+    format_reward_weight: float = 0.1
+    """reward = accuracy + weight * format (one answer in the asked-for form: at most 49 characters after a box, none
+    after answer tags)"""
+    max_prompt_length: int = 512
+    """prompts longer than this (tokens) are dropped at load time, with a count"""
+    max_new_tokens: Optional[int] = None
+    """completion length limit; None: 48 for the embedded model (and models trained from it), else 1024"""
+    # rollout
+    top_p: float = 1.0
+    """nucleus sampling of rollouts (keep 1.0 for an unbiased policy gradient)"""
+    # optimization
+    total_steps: int = 200
+    """rollout steps"""
+    num_epochs: int = 1
+    """passes over each rollout batch; mu = num_epochs * num_minibatches optimizer steps per rollout"""
+    num_minibatches: int = 1
+    """optimizer steps per pass over a rollout batch"""
+    micro_batch_size: Optional[int] = None
+    """sequences per forward/backward pass (gradient accumulation); None: the largest divisor of a process's
+    mini-batch (prompts_per_step / processes * G / num_minibatches) up to 32 for the embedded model, else 16"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    # experiment
+    exp_name: Optional[str] = None
+    """the run's name: its folder is <output_dir>/<exp_name>__<seed>; None: the script's name, then (other flags than
+    the defaults) the model, the task and a hash of the changed flags"""
+    seed: int = 1
+    """random seed"""
+    run: tyro.conf.OmitArgPrefixes[RunArgs] = field(default_factory=RunArgs)
+    """logging, rollout engine, reward workers, evaluation, checkpoints"""
+
+
+# ---- Algorithm ------------------------------------------------------------------------------------------------------
+
+
+def check_algorithm_args(args, num_processes):
+    """The algorithm's own one-line errors (resolve_args below runs the checks every script shares)."""
+    if args.data == "rft" and args.num_generations < 1:
+        raise ValueError(f"--num_generations {args.num_generations}: rft samples >= 1 completion per prompt")
+
+
+def gold_targets(rows, tokenizer, answer_format, eos_id):
+    """The gold completions of `rows`: each one's answer in the checked form (utils/tasks.py gold_completion), then
+    the end-of-turn token, as Samples (the form the engine's completions take)."""
+    return [Sample(tokenizer(gold_completion(r["answer"], answer_format), add_special_tokens=False)["input_ids"] +
+                   [eos_id], None, False) for r in rows]
+
+
+def compute_loss(logp, weights, mask, counts):
+    """L(theta) on one micro-batch, as its share of the optimizer mini-batch's loss: summed over the mini-batch's
+    micro-batches and processes, the shares give that loss exactly.
+
+    logp (B, T), with gradient; weights (B,): 1 on a target fitted, 0 on an rft sample rejected; mask (B, T);
+    counts = (num_seqs, num_tokens): the targets and the fitted tokens of the whole mini-batch, over every
+    micro-batch and process. Returns (loss, means: statistics as shares of their mini-batch mean)."""
+    _, num_tokens = counts
+    fitted = mask * weights[:, None]
+    loss = -(logp * fitted).sum() / num_tokens  # per token over the mini-batch
+    with torch.no_grad():
+        return loss, {"sft/token_logprob": (logp.detach() * fitted).sum() / num_tokens}
+
+
+# ---- Run setup ------------------------------------------------------------------------------------------------------
+
+
+def resolve_args(args, num_processes):
+    """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
+    one line that says what to change, before any model loads. A GGUF model is converted here on first use."""
+    embedded = is_toy_shaped(args.model)
+    if args.learning_rate is None:
+        args.learning_rate = 5e-4 if embedded else 1e-5
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48 if embedded else 1024
+    group = args.num_generations if args.data == "rft" else 1  # completions per prompt
+    if args.micro_batch_size is None:
+        minibatch = args.prompts_per_step // num_processes * group // max(1, args.num_minibatches)
+        args.micro_batch_size = largest_divisor(minibatch, 32 if embedded else 16)
+    if args.task in TOY_TASKS:
+        args.answer_format = "answer_tags"
+    check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
+                   "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
+    check_fraction(args, "top_p")
+    check_run_args(args.run, args.total_steps)
+    check_model_and_task(args.model, args.task)
+    check_batch_layout(args.prompts_per_step, group, args.num_minibatches, args.micro_batch_size, num_processes)
+    check_algorithm_args(args, num_processes)
+    args.model = resolve_model(args.model)
+    return args
+
+
+def run_folder(args):
+    """<output_dir>/<the run's name>: named after the script and the flags that differ from the defaults, so the same
+    command finds its folder again (--resume)."""
+    script = os.path.splitext(os.path.basename(__file__))[0]
+    return os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
+
+
+class Setup(NamedTuple):
+    """What start_run sets up for main()."""
+    accelerator: object  # the processes and their devices (accelerate)
+    args: Args  # checked, with the model-dependent defaults resolved
+    run_dir: str  # the run's folder: metrics.jsonl, checkpoint/, final/
+    checkpoint: Optional[str]  # the checkpoint --resume continues; None: a new run
+    tokenizer: object
+    stop_ids: list  # token ids that end a completion
+    train_rows: list  # the task's problems: dicts with "prompt" (the chat-formatted text), "question", "answer"
+    test_rows: list
+
+
+def start_run(args):
+    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume, the tokenizer and the
+    task's rows (a Setup); bad input is a one-line error before any model loads."""
+    from accelerate.utils import set_seed
+
+    torch.set_num_threads(args.run.threads)
+    set_mmap_threshold(args.run.malloc_mmap_threshold)  # if > 0, glibc hands what tensors free back to the system
+    quiet_libraries()
+    accelerator = make_accelerator(args.run.mixed_precision)  # bf16 on a GPU; DDP or FSDP2 over GPUs or CPUs
+    run_dir = run_folder(args)
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens)  # reads its config
+        checkpoint = resume_checkpoint(accelerator, run_dir, args.run)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        train_rows, test_rows, summary = load_splits(
+            args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,
+            0 if args.run.eval_only else args.prompts_per_step,
+            accelerator.num_processes if args.run.eval_every or args.run.eval_only else 0)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
+    set_seed(args.seed, device_specific=True)
+    return Setup(accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows)
+
+
+# ---- Model ----------------------------------------------------------------------------------------------------------
+
+
+def load_model(model_name, tokenizer):
+    """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
+    weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    model.config.use_cache = False  # training passes build no KV cache (the HF decode loop asks for one itself)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
+    return model
+
+
+def load_models(args, tokenizer, accelerator, with_reference):
+    """The policy and its optimizer over the parameters that train, prepared (DDP or FSDP2), and the frozen reference
+    model (None without)."""
+    model = for_training(load_model(args.model, tokenizer), args.run, args.model)  # LoRA, gradient checkpointing
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
+    ref_model = None
+    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed
+        ref_model = prepare_reference(accelerator, model, lambda: load_model(args.model, tokenizer))  # (with LoRA:
+        # the policy itself, its adapters switched off)
+    return model, optimizer, ref_model
+
+
+# ---- Rollout batch --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """B completions as the trainer sees them: row i is [prompt i, left-padded to P positions | completion i,
+    right-padded to T]. Example (P = 3, T = 4, pad 0): prompt [5, 6] with completion [7, 8, eos] is the row
+    input_ids [0, 5, 6, 7, 8, eos, 0], attention_mask [0, 1, 1, 1, 1, 1, 0], mask [1, 1, 1, 0]. Every tensor field is
+    cut by rows (select), the (B, T) ones with the completions."""
+    input_ids: torch.Tensor  # (B, P + T) token ids, pad outside the attention mask
+    attention_mask: torch.Tensor  # (B, P + T) 1 on real tokens
+    prompt_width: int  # P
+    mask: torch.Tensor  # (B, T) float, 1 on the completion's tokens: the ones the loss trains on
+    engine_logp: torch.Tensor  # (B, T) the engine's log-prob of each sampled token (0 on padding)
+    advantages: Optional[torch.Tensor] = None  # (B, T) per token (GRPO: the completion's advantage on each token)
+    old_logp: Optional[torch.Tensor] = None  # (B, T) pi_old, when the trainer computes it before the update (mu > 1)
+    ref_logp: Optional[torch.Tensor] = None  # (B, T) pi_ref, when there is a KL term
+
+    def __len__(self):
+        return len(self.mask)
+
+    def select(self, rows, width=None):
+        """The rows `rows` (an index tensor), with completions cut to their first `width` positions."""
+        width = self.mask.shape[1] if width is None else width
+        cut = {"input_ids": self.prompt_width + width, "attention_mask": self.prompt_width + width}
+        return dataclasses.replace(self, **{f.name: value[rows][:, :cut.get(f.name, width)] if value.dim() == 2 else
+                                            value[rows] for f in dataclasses.fields(self)
+                                            if torch.is_tensor(value := getattr(self, f.name))})
+
+
+def make_batch(prompts, samples, pad_id, device):
+    """Prompt token-id lists and the engine's Samples (one prompt per sample) -> a Batch."""
+    prompt_width = max(len(p) for p in prompts)
+    width = max(len(sample.token_ids) for sample in samples)
+    ids, attention, mask, engine_logp = [], [], [], []
+    for prompt, sample in zip(prompts, samples):
+        left, right = prompt_width - len(prompt), width - len(sample.token_ids)
+        ids.append([pad_id] * left + prompt + sample.token_ids + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(prompt) + len(sample.token_ids)) + [0] * right)
+        mask.append([1] * len(sample.token_ids) + [0] * right)
+        engine_logp.append((sample.logprobs or [0.0] * len(sample.token_ids)) + [0.0] * right)
+    return Batch(torch.tensor(ids, device=device), torch.tensor(attention, device=device), prompt_width,
+                 torch.tensor(mask, dtype=torch.float32, device=device),
+                 torch.tensor(engine_logp, dtype=torch.float32, device=device))
+
+
+def micro_batches(batch, size):
+    """Yield (rows, micro-batch): `batch` cut into micro-batches of `size` rows of similar completion lengths (the rows
+    are reordered), each cut to its own longest completion, so that no pass pads a 10-token completion to the batch's
+    48 (about half of the trainer's compute on the toy). Which rows share a micro-batch does not change the summed
+    gradient. A completion's length is its last trained token's position + 1 (grpo_tools.py masks tool output)."""
+    positions = torch.arange(1, batch.mask.shape[1] + 1, device=batch.mask.device, dtype=batch.mask.dtype)
+    lengths, order = torch.sort((batch.mask * positions).amax(-1), stable=True)
+    widths = lengths[size - 1::size].tolist() + lengths[-1:].tolist()  # one host sync
+    for rows, width in zip(order.split(size), widths):
+        yield rows, batch.select(rows, max(1, int(width)))  # >= 1: dapo.py's filtering can mask whole rows
+
+
+# ---- Token log-probs ------------------------------------------------------------------------------------------------
+
+
+CHUNK_BYTES = 2**27  # a chunk's float32 logits: 128 MiB (220 positions of Qwen's 151,936-token vocabulary)
+
+
+def token_logprobs(model, batch, temperature, accelerator, with_entropy=False):
+    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature, with
+    gradient when grad mode is on; and each position's entropy, (B, T) without gradient, when with_entropy (else
+    None). The model's own call (its wrappers run: DDP, FSDP2, LoRA, checkpointing) gives the last hidden states h,
+    (B, P + T, H); h at position P + t - 1 predicts completion token t."""
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts: each row counts from 0
+    hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
+                   output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # (the logits of one position)
+    return output_logprobs(model, hidden[:, batch.prompt_width - 1:-1], batch.input_ids[:, batch.prompt_width:],
+                           temperature, accelerator, with_entropy)
+
+
+def output_logprobs(model, hidden, tokens, temperature, accelerator, with_entropy=False):
+    """log pi(tokens), (B, T), and their entropies (or None) from the hidden states (B, T, H) that predict them. The
+    output layer W turns a chunk of positions at a time (as many as CHUNK_BYTES of float32 logits hold) into logits
+    z = W h / temperature, under torch.utils.checkpoint: a chunk's (positions, V) logits exist while it is computed,
+    and again in the backward pass; the batch's (B, T, V) never do (10 GB at B x T = 16K and Qwen's V = 151,936)."""
+    inner = getattr(model, "module", model)  # DDP holds the model in .module
+    head, softcap = inner.get_output_embeddings(), getattr(inner.config, "final_logit_softcapping", None)
+
+    def chunk(h, t):  # (n, H), (n,) -> log pi(t) (n,), entropy (n,) or None
+        with accelerator.autocast():  # the output layer's matmul in the dtype the model's own runs in (bf16 on a GPU);
+            # its weight, not the module: under FSDP2 a second call would run the module's sharding hooks again
+            z = torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+        if softcap:  # Gemma 2 caps its logits: cap tanh(z / cap)
+            z = softcap * torch.tanh(z / softcap)
+        logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (x / 1.0 is x: skipped)
+        del z  # freed here: the chunk's forward holds at most two (positions, V) tensors, its backward three
+        logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
+        if not with_entropy:
+            return logp, None
+        with torch.no_grad():  # sum_v p_v (logsumexp(z) - z_v): accurate in float32 even when one p_v is near 1
+            return logp, -torch.linalg.vecdot(logp_all.exp(), logp_all)
+
+    (B, T, H), size = hidden.shape, max(1, CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
+    chunks = [checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, t) for h, t in
+              zip(hidden.reshape(B * T, H).split(size), tokens.reshape(B * T).split(size))]
+    logp = torch.cat([logp for logp, _ in chunks]).view(B, T)
+    return logp, torch.cat([entropy for _, entropy in chunks]).view(B, T) if with_entropy else None
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, micro_batch_size):
+    """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
+    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit."""
+    logp = torch.zeros_like(batch.mask)
+    for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
+        for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
+            micro_logp, _ = token_logprobs(model, micro, temperature, accelerator)
+            logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
+    return logp
+
+
+# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
+
+
+def push_weights(engine, model, accelerator):
+    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})
+    engine.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+
+
+def wake_engine(engine, model, accelerator, policy_version):
+    """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
+    counts the training steps the weights include) -> seconds spent pushing. A caller that makes several engine calls
+    of one rollout wakes it once around them (grpo_tools.py's turns): every call then samples from the same weights."""
+    sync_time = 0.0
+    if engine.llm is None:
+        return sync_time
+    if engine.asleep:
+        torch.cuda.empty_cache()  # the trainer's cached blocks: without this the weights may find no room
+        engine.llm.wake_up(tags=["weights"])
+    if engine.weights_version != policy_version:  # the first call always pushes; never stale or dropped weights
+        start = time.time()
+        push_weights(engine, model, accelerator)
+        engine.weights_version, sync_time = policy_version, time.time() - start
+    if engine.asleep:
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
+        engine.llm.wake_up(tags=["kv_cache"])
+    return sync_time
+
+
+def sleep_engine(engine):
+    """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
+    if engine.llm is not None and engine.asleep:
+        engine.llm.sleep(level=engine.sleep_level)
+        if engine.sleep_level == 2:
+            engine.weights_version = None
+
+
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights),
+    each prompt's n together. A Sample is (token_ids: the completion's tokens, its stop token included when it has one;
+    logprobs: the engine's log-prob of each under the distribution it was drawn from, softmax(logits / temperature)
+    within the top-p nucleus, or None when greedy; truncated: it ran out of new tokens before a stop token).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    if engine.llm is None:  # the HF decode loop (no vLLM, --engine hf): the policy's own forward with a KV cache
+        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
+                                                   accelerator), 0.0
+    from vllm import SamplingParams
+
+    sync_time = wake_engine(engine, model, accelerator, policy_version)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=engine.stop_ids)
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sleep_engine(engine)
+    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
+                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
+
+
+# ---- Evaluation -----------------------------------------------------------------------------------------------------
+
+
+def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version, tracking):
+    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate over every process's share of the
+    test rows (plumbing/evaluation.py), each process sampling its share through generate(), as the rollouts do; and
+    what else training changed (tracking: other tasks' accuracy, the forward KL to the initial policy)."""
+
+    def sample_texts(prompts, n, temperature, top_p):
+        samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
+                              accelerator, policy_version)
+        return tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
+
+    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (a greedy and a sampled call: one wake each)
+    chunk_size = 64 if engine.llm is None else None
+    return {**pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, chunk_size),
+            **tracking.evaluate(sample_texts, functools.partial(sequence_logprobs, args, model, tokenizer, accelerator),
+                                tokenizer, accelerator, chunk_size)}
+
+
+def sequence_logprobs(args, model, tokenizer, accelerator, prompts, samples):
+    """log pi(completion | prompt), summed over each completion's tokens, (B,), and their counts, (B,)."""
+    batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
+    logp = batched_logprobs(model, batch, args.temperature, accelerator, len(batch), args.micro_batch_size)
+    return (logp * batch.mask).sum(-1), batch.mask.sum(-1)
+
+
+# ---- Step statistics ------------------------------------------------------------------------------------------------
+
+
+class StepStats:
+    """A step's training statistics, kept by how processes combine them at the step's end (step_metrics: one
+    reduction, one host sync). add(): shares of a mean over every process, already divided by the global count, so the
+    shares add up to it (a clip fraction: clipped tokens / the mini-batch's tokens over all processes). mean(): one
+    value per process, averaged over processes (a gradient norm: the same on every process). max(): maxima."""
+
+    def __init__(self):
+        self.sums, self.means, self.maxes = {}, {}, {}
+
+    def add(self, values, scale=1.0):
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * scale
+
+    def mean(self, values, scale=1.0):
+        for key, value in values.items():
+            self.means[key] = self.means.get(key, 0.0) + value * scale
+
+    def max(self, values):
+        for key, value in values.items():
+            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
+
+
+# ---- Policy update --------------------------------------------------------------------------------------------------
+
+
+def update_policy(args, model, optimizer, batch, weights, accelerator):
+    """mu = num_epochs * num_minibatches optimizer steps on one batch of targets -> the step's StepStats. weights
+    (B,): 1 on a target fitted, 0 on an rft sample rejected. Normalizers count the mini-batch's fitted tokens over its
+    micro-batches and processes; a mini-batch with none takes no optimizer step. A non-finite gradient norm raises
+    FloatingPointError before the optimizer step: NaN never reaches the weights."""
+    stats = StepStats()
+    size, mu = len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
+    for epoch in range(args.num_epochs):
+        order = torch.arange(len(batch)) if epoch == 0 else torch.randperm(len(batch))
+        for k, rows in enumerate(order.to(accelerator.device).split(size)):
+            minibatch, minibatch_weights = batch.select(rows), weights[rows]
+            num_seqs, num_tokens = accelerator.reduce(torch.stack([
+                minibatch_weights.sum(), (minibatch.mask * minibatch_weights[:, None]).sum()]), reduction="sum")
+            if num_tokens == 0:  # no correct sample on any process: nothing to fit (one host sync per mini-batch)
+                continue
+            micro = list(micro_batches(minibatch, args.micro_batch_size))
+            for j, (micro_rows, mc) in enumerate(micro):
+                with gradient_sync(accelerator, model, last_micro_batch=j == len(micro) - 1):  # DDP: in the last only
+                    logp, entropy = token_logprobs(model, mc, 1.0, accelerator, with_entropy=True)
+                    loss, means = compute_loss(logp, minibatch_weights[micro_rows], mc.mask, (num_seqs, num_tokens))
+                    accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
+                fitted = mc.mask * minibatch_weights[micro_rows][:, None]
+                stats.add({**means, "losses/sft": loss.detach(), "losses/entropy": (entropy * fitted).sum() /
+                           num_tokens}, 1 / mu)
+            grad_norm = clip_gradients(accelerator, model, args.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm in epoch {epoch}, mini-batch {k}")
+            stats.mean({"policy/grad_norm": grad_norm}, 1 / mu)
+            stats.add({"sft/optimizer_steps": torch.ones((), device=accelerator.device) / accelerator.num_processes})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return stats
+
+
+# ---- Training loop --------------------------------------------------------------------------------------------------
+
+
+CONSOLE_KEYS = ["losses/sft", "charts/accuracy", "charts/completion_length", "sft/fitted_frac", "eval/pass@1_greedy",
+                "eval/forward_kl"]
+
+
+def main(args):
+    from tqdm import tqdm
+
+    if args.run.self_check:  # this configuration for a few steps in a temporary folder, checked through its outputs
+        raise SystemExit(self_check(__file__, sys.argv[1:], run_folder(args)))
+    setup = start_run(args)
+    accelerator, args, tokenizer, run_dir = setup.accelerator, setup.args, setup.tokenizer, setup.run_dir
+    scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers, args.run.reward_timeout,
+                          args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
+    model, optimizer, _ = load_models(args, tokenizer, accelerator, with_reference=False)
+    engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
+                           args.max_prompt_length + args.max_new_tokens, setup.stop_ids)
+    accelerator.print(memory_line(trainer_memory(accelerator, [model], [], args.micro_batch_size,
+                                                 args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
+                                  args.run.vllm_gpu_memory_utilization if engine.asleep else None))
+    tracking = start_tracking(args, setup, tokenizer, accelerator, lambda prompts: generate(  # before any update
+        engine, model, tokenizer, prompts, 1, args.temperature, 1.0, args.max_new_tokens, accelerator, 0)[0],
+        functools.partial(sequence_logprobs, args, model, tokenizer, accelerator))
+    if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
+        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, policy_version=0,
+                          tracking=tracking)
+        write_eval_only(accelerator, run_dir, args.model, result)
+        tracking.close()
+        return scorer.close()
+    start_step = load_checkpoint(accelerator, setup.checkpoint) if setup.checkpoint else 1
+    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    G = args.num_generations if args.data == "rft" else 1
+    local_prompts, train_rows = args.prompts_per_step // world, setup.train_rows
+    for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
+                     disable=not accelerator.is_main_process, dynamic_ncols=True):
+        times = {"step": time.time()}
+        # 1. Targets: this process's share of the step's prompts, drawn from (seed, step) alone (a resumed run draws
+        #    what an uninterrupted one would); their gold answers, or G samples each from the policy after step - 1
+        #    updates.
+        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
+        rows = [train_rows[i] for i in picks[rank * local_prompts:(rank + 1) * local_prompts]]
+        prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+        if args.data == "gold":
+            samples, sync_time = gold_targets(rows, tokenizer, args.answer_format, tokenizer.eos_token_id), 0.0
+        else:
+            samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
+                                          args.max_new_tokens, accelerator, policy_version=step - 1)
+        times["rollout"] = time.time() - times["step"]
+        # 2. Reward: rft fits the correct samples; gold targets are scored too (each must earn full accuracy).
+        texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
+        scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])
+        accuracy, formats, failures = scorer.result(scoring)
+        rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
+        batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
+        weights = torch.ones(len(batch), device=accelerator.device) if args.data == "gold" else \
+            torch.tensor(accuracy, device=accelerator.device).eq(1).float()
+        # 3. mu optimizer steps on the fitted targets; a NaN stops the run before it reaches the weights.
+        try:
+            stats = update_policy(args, model, optimizer, batch, weights, accelerator)
+        except FloatingPointError as e:
+            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
+                             f"step (the last checkpoint in {run_dir} is intact)") from None
+        stats.add({"sft/fitted_frac": weights.sum() / (len(batch) * world)})
+        # 4. Log, evaluate, checkpoint.
+        metrics = step_metrics(accelerator, engine, stats, samples, accuracy, formats, rewards, failures, {
+            "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
+            "score": scoring.waited, "score_hidden": scoring.hidden})
+        metrics["step"] = step
+        if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
+            start = time.time()
+            metrics.update(evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, step,
+                                    tracking))
+            metrics["time/eval"] = time.time() - start
+        if accelerator.is_main_process:
+            log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
+                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
+                for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
+        if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
+    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
+    scorer.close()
+    tracking.close()
+    if accelerator.is_main_process:
+        close_metrics(metrics_file, args.run.track)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
