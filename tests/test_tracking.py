@@ -1,0 +1,113 @@
+"""What training changed beyond its task (plumbing/evaluation.py Tracking): the prior tasks' accuracy, strict and
+lenient, and the forward KL to the initial policy; in every script, without changing what a run trains."""
+
+import glob
+import os
+
+import pytest
+import torch
+
+import grpo
+from plumbing.evaluation import Tracking, prior_task_name
+from plumbing.run import RunArgs
+from tests.helpers import ROOT, SMALL, run_grpo
+from utils.rewards import RewardScorer, lenient_extractor
+
+SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))
+                 if "def start_run" in open(p).read())
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4 + 7 = 11", "11"),  # an untrained model's own form
+    ("so \\boxed{12}, not 13", "12"),  # the asked-for form wins over a later number
+    ("The letter appears 3 times.", "3"),
+    ("-2 + -2 = -4.", "-4"),
+    ("1,000 apples", "1,000"),
+    ("no number here", None),
+])
+def test_the_lenient_extractor_reads_the_last_number_where_the_form_is_missing(text, expected):
+    assert lenient_extractor("boxed")(text) == expected
+
+
+def test_lenient_scoring_counts_an_unboxed_answer_and_never_a_wrong_one():
+    rows = [{"answer": "11"}, {"answer": "11"}, {"answer": "11"}]
+    texts = ["4 + 7 = 11", "4 + 7 = 12", "\\boxed{11}"]
+    with RewardScorer("gsm8k", "boxed", 1, lenient=True) as lenient, RewardScorer("gsm8k", "boxed", 1) as strict:
+        assert lenient.result(lenient.submit(texts, rows))[0] == [1.0, 0.0, 1.0]
+        assert strict.result(strict.submit(texts, rows))[0] == [0.0, 0.0, 1.0]
+
+
+def test_prior_task_names_are_metric_keys():
+    assert prior_task_name("rg:chain_sum:min_terms=2,max_terms=3") == "rg-chain_sum-min_terms-2-max_terms-3"
+    assert prior_task_name("toy_mul") == "toy_mul" and prior_task_name("/data/my_task.jsonl") == "my_task.jsonl"
+
+
+def test_the_forward_kl_is_zero_at_the_start_and_the_monte_carlo_sum_after_an_update(tmp_path):
+    """KL(pi_0 || pi_theta) on completions pi_0 sampled: 0 exactly before any update (the same computation), and after
+    the weights move the mean over completions of sum_t log pi_0 - log pi_theta, computed here token by token; the
+    samples are read back from the run's folder by a resumed run; the run's random stream is untouched."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    args = grpo.resolve_args(grpo.Args(run=RunArgs(kl_prompts=6, output_dir=str(tmp_path))), 1)
+    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
+    model = grpo.load_model(args.model, tokenizer)
+    engine = grpo.create_engine(args.run, args.model, 0, 128, stop_ids)
+    _, test_rows, _ = grpo.load_splits("toy", tokenizer, "answer_tags", "system", 512, 500, 0, 1)
+    setup = grpo.Setup(accelerator, args, str(tmp_path / "run"), None, tokenizer, stop_ids, [], test_rows)
+
+    def sample(prompts):
+        return grpo.generate(engine, model, tokenizer, prompts, 1, 1.0, 1.0, 48, accelerator, 0)[0]
+
+    def logprobs(prompts, samples):
+        return grpo.sequence_logprobs(args, model, tokenizer, accelerator, prompts, samples)
+
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    tracking = grpo.start_tracking(args, setup, tokenizer, accelerator, sample, logprobs)
+    assert torch.equal(torch.get_rng_state(), state)  # sampling pi_0 did not move the run's random stream
+    result = tracking.evaluate(None, logprobs, tokenizer, accelerator)
+    assert result == {"eval/forward_kl": 0.0, "eval/forward_kl_token": 0.0}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    kl = tracking.kl
+    by_hand = []
+    for prompt, completion, base in zip(kl["prompts"], kl["completions"], kl["base"]):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+        now = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).sum()
+        by_hand.append(base.double() - now)
+    result = tracking.evaluate(None, logprobs, tokenizer, accelerator)
+    assert len(by_hand) == 6 and result["eval/forward_kl"] > 0
+    assert result["eval/forward_kl"] == pytest.approx(torch.stack(by_hand).mean().item(), rel=1e-4)
+    resumed = Tracking((), args.run, tokenizer, "answer_tags", "system", 512)
+    resumed.start_kl(str(tmp_path / "run" / "forward_kl_base.0.pt"), True, test_rows, tokenizer, None, logprobs,
+                     accelerator)
+    assert resumed.evaluate(None, logprobs, tokenizer, accelerator) == result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_tracks_prior_tasks_and_the_forward_kl(tmp_path, script):
+    flags = ["--total_steps", "1", "--eval_every", "1", "--eval_size", "2", "--eval_samples", "1", "--prompts_per_step",
+             "4", "--num_generations", "2", "--prior_tasks", "toy_mul", "rg:chain_sum", "--prior_eval_size", "2",
+             "--kl_prompts", "2", "--log_completions_every", "0"]
+    _, rows = run_grpo(flags, tmp_path, script=script)
+    for key in ("pass@1_greedy", "pass@1_lenient", "format_greedy"):
+        assert 0 <= rows[0][f"prior/toy_mul/{key}"] <= 1 and 0 <= rows[0][f"prior/rg-chain_sum/{key}"] <= 1
+    assert rows[0]["eval/forward_kl"] == rows[0]["eval/forward_kl"]  # a number (one step may leave it near 0)
+    assert os.path.exists(tmp_path / f"{script[:-3]}__1" / "forward_kl_base.0.pt")
+
+
+@pytest.mark.slow
+def test_tracking_does_not_change_what_a_run_trains(tmp_path):
+    common = ["--total_steps", "3", "--eval_every", "1", *SMALL]
+    _, plain = run_grpo([*common, "--kl_prompts", "0", "--exp_name", "plain"], tmp_path)
+    _, tracked = run_grpo([*common, "--prior_tasks", "toy_mul", "--prior_eval_size", "4", "--kl_prompts", "4",
+                           "--exp_name", "tracked"], tmp_path)
+    for key in ("charts/reward", "losses/policy", "policy/grad_norm", "eval/pass@1_greedy"):
+        assert [r[key] for r in plain] == [r[key] for r in tracked], key
+    assert "eval/forward_kl" not in plain[0] and tracked[0]["eval/forward_kl"] >= -1 and "prior/toy_mul/pass@1_lenient" \
+        in tracked[0]
