@@ -34,15 +34,25 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   uses, not by the wall clock: on a loaded machine an honest call that waits for a core is not cut.
 - A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
-  Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs.
+  Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs; and the kernel state calls would otherwise share:
+  disk I/O a call does not wait for and page-cache eviction (AIO, io_uring, readahead, fadvise, O_DIRECT, sync), the
+  machine-wide AIO quota and counters (sysinfo), locks, leases and notifications on the view's files, shared
+  futexes, page-cache probes, socket buffers above the default size.
+- Cgroups (a root trainer): each sandbox process's calls run in a memory cgroup of their own (memory_mb, copies of
+  the sandbox process's pages, the call's /tmp and its kernel memory, socket buffers included: a call past it is
+  killed, a MemoryError line), and in a pids cgroup (the call alone) and a blkio cgroup (IO_READ_BPS, IO_READ_IOPS a
+  disk) of their sandbox process.
+- A call ends when its answer arrives: the trainer has its sandbox process kill and reap its child (its PID
+  namespace's first process: the namespace dies with it) and starts no call anywhere until then.
 - The answer is capped, valid UTF-8, without control characters but newline and tab; the trainer tokenizes it as
   plain text (tool_output_ids: special-token text such as <|im_end|> stays text).
 
 Every failure becomes the call's output, an error line the model reads, and never stops the run. Where the machine
 lacks a mechanism (a non-root trainer without user namespaces, a container that forbids namespaces, an architecture
-without a system-call table here), the sandbox runs without it and `PythonSandbox.warning` says so in one line, which
+without a system-call table here, no cgroups it may make), the sandbox runs without it and `PythonSandbox.warning` says so in one line, which
 grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the machine's kernel (a kernel bug
-is a way out), read what their view holds, use CPU, memory and time up to their limits, and can observe timing.
+is a way out), read what their view holds, use CPU, memory, disk reads and time up to their limits, and can observe
+timing (the CPU's load, the page cache: docs/sandbox.md says what a policy could gain from it).
 """
 
 import contextlib
