@@ -49,10 +49,11 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
 
 Every failure becomes the call's output, an error line the model reads, and never stops the run. Where the machine
 lacks a mechanism (a non-root trainer without user namespaces, a container that forbids namespaces, an architecture
-without a system-call table here, no cgroups it may make), the sandbox runs without it and `PythonSandbox.warning` says so in one line, which
-grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the machine's kernel (a kernel bug
-is a way out), read what their view holds, use CPU, memory, disk reads and time up to their limits, and can observe
-timing (the CPU's load, the page cache: docs/sandbox.md says what a policy could gain from it).
+without a system-call table here, no cgroups it may make), the sandbox runs without it and `PythonSandbox.warning`
+says so in one line, which grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the
+machine's kernel (a kernel bug is a way out), read what their view holds, use CPU, memory, disk reads and time up to
+their limits, and can observe timing (the CPU's load, the page cache: docs/sandbox.md says what a policy could gain
+from it).
 """
 
 import contextlib
@@ -1076,7 +1077,8 @@ def _outcome(data, status, max_chars, timeout):
     if status == "timeout":
         return "", f"TimeoutError: the code waited for more than {wall_limit(timeout):g} s and was stopped"
     if status == "memory":
-        return "", "MemoryError: the code's memory (kernel buffers and /tmp included) passed its limit and it was stopped"
+        return "", ("MemoryError: the code's memory (kernel buffers and /tmp included) passed its limit and it was "
+                    "stopped")
     if status == "not started":
         return "", "the sandbox could not start the call"
     return "", f"the code ended without a result ({status})"  # a segfault, memory exhausted in C code, junk

@@ -763,9 +763,11 @@ def test_9_a_call_makes_no_disk_traffic_it_does_not_wait_for(lacks, route):
     require(lacks, "seccomp")
     if not X86 and route in ("readahead", "64 reads in flight", "write back the machine"):
         pytest.skip("x86_64 system-call numbers")
-    code = (f"import ctypes, mmap, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = os.open(os.__file__, os.O_RDONLY)\n"
+    code = ("import ctypes, mmap, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "fd = os.open(os.__file__, os.O_RDONLY)\n"
             f"try:\n    {DISK_ROUTES[route].replace(chr(10), chr(10) + '    ')}\n    print('done')\n"
-            "except (OSError, AssertionError) as e:\n    print('refused', getattr(e, 'errno', None) or ctypes.get_errno())")
+            "except (OSError, AssertionError) as e:\n"
+            "    print('refused', getattr(e, 'errno', None) or ctypes.get_errno())")
     (output, error), = run([code])
     assert output == "refused 1\n" and not error, (output, error)  # EPERM: the filter (not a quota another took)
 
@@ -923,8 +925,10 @@ def test_11_nothing_of_a_call_runs_after_its_answer(lacks, wait):
 VALUE = 0xA5  # the 8 bits a sender sends
 FILES = "import os, glob\nfiles = sorted(glob.glob(os.path.dirname(os.__file__) + '/[a-z]*.py'))[:8]\n"
 MAP = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.mmap.restype = ctypes.c_void_p\n"
-       "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
-       "fd = os.open(os.__file__, os.O_RDONLY)\naddress = libc.mmap(None, 4096, 1, 1, fd, 0)\n")  # PROT_READ, MAP_SHARED
+       "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,\n"
+       "                      ctypes.c_long]\n"
+       "fd = os.open(os.__file__, os.O_RDONLY)\n"
+       "address = libc.mmap(None, 4096, 1, 1, fd, 0)\n")  # PROT_READ, MAP_SHARED
 CHANNELS = {  # route: (sender, receiver); each prints what it ends with (the receiver: the value it read, or None)
     "flock": (
         FILES + "import fcntl, time\nheld = []\nfor i, path in enumerate(files):\n    if VALUE >> i & 1:\n"
@@ -979,7 +983,7 @@ def test_12_concurrent_calls_cannot_talk_through_shared_kernel_state(lacks, rout
     assert got[1][0].strip() != str(VALUE), got
 
 
-TOPICS = "import os\npath = os.path.join(os.path.dirname(os.__file__), 'pydoc_data', 'topics.py')\n"  # no one imports it
+TOPICS = "import os\npath = os.path.join(os.path.dirname(os.__file__), 'pydoc_data', 'topics.py')\n"  # no one reads it
 PAGE_SENDER = TOPICS + """import time
 fd = os.open(path, os.O_RDONLY)
 for bit in (1, 0):  # the reads first, then (once their read-ahead is done) the evictions
