@@ -715,6 +715,8 @@ class _World:
         else:
             self.seccomp = None
             self.lacks.append("seccomp")
+        if self.cgroups is not None and not _probe(lambda: [os.write(fd, b"0") for fd in self.cgroups.join_fds]):
+            self.cgroups = None  # a child cannot join the calls' cgroup (e.g. a cgroup2 tree that refuses it)
         if self.cgroups is None:
             self.lacks.append("cgroup")
         else:
