@@ -34,15 +34,26 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   uses, not by the wall clock: on a loaded machine an honest call that waits for a core is not cut.
 - A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
-  Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs.
+  Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs; and the kernel state calls would otherwise share:
+  disk I/O a call does not wait for and page-cache eviction (AIO, io_uring, readahead, fadvise, O_DIRECT, sync), the
+  machine-wide AIO quota and counters (sysinfo), locks, leases and notifications on the view's files, shared
+  futexes, page-cache probes, socket buffers above the default size.
+- Cgroups (a root trainer): each sandbox process's calls run in a memory cgroup of their own (memory_mb, copies of
+  the sandbox process's pages, the call's /tmp and its kernel memory, socket buffers included: a call past it is
+  killed, a MemoryError line), and in a pids cgroup (the call alone) and a blkio cgroup (IO_READ_BPS, IO_READ_IOPS a
+  disk) of their sandbox process.
+- A call ends when its answer arrives: the trainer has its sandbox process kill and reap its child (its PID
+  namespace's first process: the namespace dies with it) and starts no call anywhere until then.
 - The answer is capped, valid UTF-8, without control characters but newline and tab; the trainer tokenizes it as
   plain text (tool_output_ids: special-token text such as <|im_end|> stays text).
 
 Every failure becomes the call's output, an error line the model reads, and never stops the run. Where the machine
 lacks a mechanism (a non-root trainer without user namespaces, a container that forbids namespaces, an architecture
-without a system-call table here), the sandbox runs without it and `PythonSandbox.warning` says so in one line, which
-grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the machine's kernel (a kernel bug
-is a way out), read what their view holds, use CPU, memory and time up to their limits, and can observe timing.
+without a system-call table here, no cgroups it may make), the sandbox runs without it and `PythonSandbox.warning`
+says so in one line, which grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the
+machine's kernel (a kernel bug is a way out), read what their view holds, use CPU, memory, disk reads and time up to
+their limits, and can observe timing (the CPU's load, the page cache: docs/sandbox.md says what a policy could gain
+from it).
 """
 
 import contextlib
@@ -169,7 +180,14 @@ _CAPSET = _function("capset", ctypes.c_void_p, ctypes.c_void_p)
 # The system-call filter refuses (EPERM) kernel keyrings and SysV/POSIX IPC (state that could outlive a call), memfds
 # (memory outside its limits), other processes' memory, mounts and namespaces other than those its sandbox process
 # makes (no user namespace: a call never gets capabilities back), sockets but Unix, IPv4 and IPv6 ones (vsock and
-# netlink-like families are not confined by a network namespace), and kernel interfaces no tool needs.
+# netlink-like families are not confined by a network namespace), and kernel interfaces no tool needs. It also
+# refuses what would let a call reach the others through state the kernel shares between them (docs/sandbox.md,
+# "Shared kernel state"): asynchronous and background disk I/O and page-cache eviction (AIO, io_uring, readahead,
+# fadvise, O_DIRECT, sync), machine-wide quotas and counters (AIO contexts, sysinfo), file locks, leases and
+# notifications on the view's files (flock, fcntl's lock commands, inotify, fanotify, dnotify), shared futexes (a
+# futex without FUTEX_PRIVATE_FLAG keys on the file page, shared with every call that maps it), page-cache probes
+# (mincore, cachestat, RWF_NOWAIT), madvise's advice that evicts or fills file pages, and socket buffers beyond
+# the machine's default size (SO_SNDBUF, SO_RCVBUF).
 _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl",
            "semtimedop", "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
            "mq_timedreceive", "mq_notify", "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
@@ -178,11 +196,25 @@ _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shm
            "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load", "kexec_file_load", "init_module",
            "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog", "vhangup", "quotactl",
            "lookup_dcookie", "name_to_handle_at", "open_by_handle_at", "fanotify_init", "personality", "memfd_create",
-           "memfd_secret")
+           "memfd_secret",
+           # shared kernel state: disk I/O a call does not wait for, page-cache eviction and probes, quotas, locks
+           "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents", "readahead",
+           "fadvise64", "sync", "syncfs", "mincore", "cachestat", "process_madvise", "migrate_pages", "move_pages",
+           "sysinfo", "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
+           "fanotify_mark")
+_ENOSYS = ("clone3", "openat2", "futex_waitv", "futex_wake", "futex_wait", "futex_requeue")  # glibc falls back or
+# never calls them; openat2 and the new futex calls would pass flags the filter cannot read (a struct, per waiter)
+F_GETLK, F_SETLK, F_SETLKW, F_SETFL, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW = 5, 6, 7, 4, 36, 37, 38
+F_SETLEASE, F_GETLEASE, F_NOTIFY = 1024, 1025, 1026
+FUTEX_PRIVATE_FLAG, RWF_NOWAIT = 128, 8
+MADV_WILLNEED, MADV_REMOVE, MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE = (
+    3, 9, 20, 21, 22, 23, 25)  # advice that reads file pages in the background or evicts them
+SOL_SOCKET, SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE = 1, 7, 8, 32, 33
 _NEW_SYSCALLS = dict(io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
-                     fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435, pidfd_getfd=438,
-                     mount_setattr=442, memfd_secret=447)  # the same number on every architecture
-_SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
+                     fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435, openat2=437,
+                     pidfd_getfd=438, process_madvise=440, mount_setattr=442, memfd_secret=447, futex_waitv=449,
+                     cachestat=451, futex_wake=454, futex_wait=455, futex_requeue=456)  # the same on every arch
+_SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
     "x86_64": (0xC000003E, dict(
         keyctl=250, add_key=248, request_key=249, shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65,
         semctl=66, semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241,
@@ -191,7 +223,11 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
         pivot_root=155, chroot=161, perf_event_open=298, bpf=321, userfaultfd=323, kexec_load=246,
         kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169, swapon=167,
         swapoff=168, acct=163, syslog=103, vhangup=153, quotactl=179, lookup_dcookie=212, name_to_handle_at=303,
-        open_by_handle_at=304, fanotify_init=300, personality=135, memfd_create=319, **_NEW_SYSCALLS)),
+        open_by_handle_at=304, fanotify_init=300, personality=135, memfd_create=319, io_setup=206, io_destroy=207,
+        io_getevents=208, io_submit=209, io_cancel=210, io_pgetevents=333, readahead=187, fadvise64=221, sync=162,
+        syncfs=306, mincore=27, migrate_pages=256, move_pages=279, sysinfo=99, flock=73, inotify_init=253,
+        inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fanotify_mark=301, fcntl=72, open=2,
+        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, **_NEW_SYSCALLS), 0o40000),
     "aarch64": (0xC00000B7, dict(
         keyctl=219, add_key=217, request_key=218, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
         semctl=191, semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
@@ -200,7 +236,11 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers)
         pivot_root=41, chroot=51, perf_event_open=241, bpf=280, userfaultfd=282, kexec_load=104, kexec_file_load=294,
         init_module=105, finit_module=273, delete_module=106, reboot=142, swapon=224, swapoff=225, acct=89,
         syslog=116, vhangup=58, quotactl=60, lookup_dcookie=18, name_to_handle_at=264, open_by_handle_at=265,
-        fanotify_init=262, personality=92, memfd_create=279, **_NEW_SYSCALLS)),
+        fanotify_init=262, personality=92, memfd_create=279, io_setup=0, io_destroy=1, io_submit=2, io_cancel=3,
+        io_getevents=4, io_pgetevents=292, readahead=213, fadvise64=223, sync=81, syncfs=267, mincore=232,
+        migrate_pages=238, move_pages=239, sysinfo=179, flock=32, inotify_init1=26, inotify_add_watch=27,
+        inotify_rm_watch=28, fanotify_mark=263, fcntl=25, openat=56, futex=98, madvise=233, preadv2=286,
+        pwritev2=287, setsockopt=208, **_NEW_SYSCALLS), 0o200000),
 }
 SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 
@@ -240,27 +280,62 @@ class _SockFprog(ctypes.Structure):
 
 def _seccomp_program():
     """The classic-BPF program of the system-call filter (see _DENIED), or None on an architecture without a table:
-    a call of another architecture kills the process; on x86_64 every x32 call is refused."""
+    a call of another architecture kills the process; on x86_64 every x32 call is refused. A test jumps to its
+    label through `ja` (a 32-bit offset: the list may grow past the 255 instructions of a conditional jump)."""
     if platform.machine() not in _SYSCALLS:
         return None
-    arch, nr = _SYSCALLS[platform.machine()]
-    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    arch, nr, o_direct = _SYSCALLS[platform.machine()]
+    load, ja, jeq, jge, jset, ret = 0x20, 0x05, 0x15, 0x35, 0x45, 0x06
     allow, eperm = 0x7FFF0000, 0x00050000 | errno.EPERM
+
+    def when(op, k, label):  # jump to label where the test holds, else go on
+        return [(op, 0, 1, k), (ja, 0, 0, label)]
+
+    def arg(i):  # the low 32 bits of argument i (seccomp_data: nr, arch, ip, then 8 bytes an argument)
+        return (load, 0, 0, 16 + 8 * i)
+
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000), (load, 0, 0, 0)]  # wrong arch: kill
+    checked = {  # system calls allowed or refused by an argument: their label (the section below)
+        "futex": "futex", "fcntl": "fcntl", "openat": "openat", "open": "open", "madvise": "madvise",
+        "preadv2": "nowait", "pwritev2": "nowait", "setsockopt": "setsockopt", "unshare": "no user namespace",
+        "clone": "no user namespace", "socket": "socket", "socketpair": "socket"}
+    for name, label in checked.items():
+        if name in nr:
+            program += when(jeq, nr[name], label)
     if platform.machine() == "x86_64":
-        program.append((jge, "deny", 0, 0x40000000))
-    program += [(jeq, "deny", 0, nr[name]) for name in _DENIED]
-    program += [(jeq, "no user namespace", 0, nr["unshare"]), (jeq, "no user namespace", 0, nr["clone"]),
-                (jeq, "socket", 0, nr["socket"]), (jeq, "socket", 0, nr["socketpair"]),
-                (jeq, "enosys", 0, nr["clone3"]), (ret, 0, 0, allow)]  # clone3: ENOSYS makes glibc use clone
-    labels = {"no user namespace": len(program)}
-    program += [(load, 0, 0, 16), (jset, "deny", 0, CLONE_NEWUSER), (ret, 0, 0, allow)]  # its flags, the first arg
-    labels["socket"] = len(program)
-    program += [(load, 0, 0, 16), *[(jeq, "allow", 0, family) for family in SOCKET_FAMILIES],
-                (ret, 0, 0, 0x00050000 | errno.EAFNOSUPPORT)]
-    labels.update(allow=len(program), deny=len(program) + 1, enosys=len(program) + 2)
-    program += [(ret, 0, 0, allow), (ret, 0, 0, eperm), (ret, 0, 0, 0x00050000 | errno.ENOSYS)]
-    program = [(op, labels[jt] - i - 1 if isinstance(jt, str) else jt, jf, k) for i, (op, jt, jf, k) in
+        program += when(jge, 0x40000000, "deny")
+    program += [step for name in _DENIED if name in nr for step in when(jeq, nr[name], "deny")]
+    program += [step for name in _ENOSYS if name in nr for step in when(jeq, nr[name], "enosys")]
+    program.append((ret, 0, 0, allow))
+    sections = {
+        # a futex without FUTEX_PRIVATE_FLAG is keyed on the page it lies in, a file's page for every process that
+        # maps the file: shared with the other calls through the view (glibc uses private ones for its own locks)
+        "futex": [arg(1), *when(jset, FUTEX_PRIVATE_FLAG, "allow"), (ret, 0, 0, eperm)],
+        "fcntl": [arg(1), *[step for cmd in (F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW,
+                                             F_SETLEASE, F_GETLEASE, F_NOTIFY) for step in when(jeq, cmd, "deny")],
+                  *when(jeq, F_SETFL, "direct 2"), (ret, 0, 0, allow)],
+        "openat": [(ja, 0, 0, "direct 2")],
+        "open": [(ja, 0, 0, "direct 1")],
+        "direct 1": [arg(1), *when(jset, o_direct, "deny"), (ret, 0, 0, allow)],  # O_DIRECT: reads the disk
+        "direct 2": [arg(2), *when(jset, o_direct, "deny"), (ret, 0, 0, allow)],  # each time, past the page cache
+        "madvise": [arg(2), *[step for advice in (MADV_WILLNEED, MADV_REMOVE, MADV_COLD, MADV_PAGEOUT,
+                                                  MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE)
+                              for step in when(jeq, advice, "deny")], (ret, 0, 0, allow)],
+        "nowait": [arg(5), *when(jset, RWF_NOWAIT, "deny"), (ret, 0, 0, allow)],  # a page-cache probe
+        "setsockopt": [arg(1), *when(jeq, SOL_SOCKET, "buffer"), (ret, 0, 0, allow)],
+        "buffer": [arg(2), *[step for name in (SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE)
+                             for step in when(jeq, name, "deny")], (ret, 0, 0, allow)],
+        "no user namespace": [arg(0), *when(jset, CLONE_NEWUSER, "deny"), (ret, 0, 0, allow)],  # flags: first arg
+        "socket": [arg(0), *[step for family in SOCKET_FAMILIES for step in when(jeq, family, "allow")],
+                   (ret, 0, 0, 0x00050000 | errno.EAFNOSUPPORT)],
+        "allow": [(ret, 0, 0, allow)], "deny": [(ret, 0, 0, eperm)],
+        "enosys": [(ret, 0, 0, 0x00050000 | errno.ENOSYS)],  # clone3: ENOSYS makes glibc use clone
+    }
+    labels = {}
+    for label, steps in sections.items():
+        labels[label] = len(program)
+        program += steps
+    program = [(op, jt, jf, labels[k] - i - 1 if isinstance(k, str) else k) for i, (op, jt, jf, k) in
                enumerate(program)]
     instructions = (_SockFilter * len(program))(*[_SockFilter(*i) for i in program])
     return _SockFprog(len(program), ctypes.cast(instructions, ctypes.POINTER(_SockFilter))), instructions
@@ -293,6 +368,9 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 TMP_MB, TMP_FILES = 16, 4096  # a call's private /tmp (also /dev/shm, /var/tmp, /run/lock): its only writable space
 MAX_OPEN_FILES = 64  # each may hold kernel memory outside the address-space limit (a pipe, a socket's buffers)
 UID_BASE = 2_000_000_000  # a root trainer's calls run as UID_BASE + their sandbox process's pid: a user of their own
+CGROUP = "/sys/fs/cgroup"
+IO_READ_BPS, IO_READ_IOPS = 32 << 20, 1000  # a call's disk reads at most (its sandbox process's cgroup, each disk)
+KERNEL_SLACK_MB = 32  # a call's cgroup holds its memory_mb, copies of its sandbox process's pages, its /tmp and this
 LACKS = {  # what a call's world is without each mechanism, said once at start when the mechanism is not available
     "user namespace": "user namespaces (a non-root trainer needs one for every other namespace)",
     "view": "its own read-only view of the files (a call reads what its user can read, and files it leaves in /tmp "
@@ -304,6 +382,8 @@ LACKS = {  # what a call's world is without each mechanism, said once at start w
     "seccomp": "the system-call filter (keyrings, SysV IPC, ptrace and other socket families stay open to a call)",
     "uid": "a user of its own per call (calls share the user nobody)",
     "root": "a user of its own per call (a non-root trainer's calls all run as its user)",
+    "cgroup": "a cgroup per call (a call's kernel memory, such as socket buffers, and its disk reads are not bounded "
+              "by the kernel: a call can hold memory outside its limit and slow its group-mates' disk reads)",
 }
 
 
@@ -395,6 +475,159 @@ def _build_view(mountpoint, hidden):
     os.chdir("/")
 
 
+def _own_cgroup(controller):
+    """This process's cgroup in the hierarchy of that controller ("" for cgroup2's), from /proc/self/cgroup."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controller in controllers.split(","):
+                return path
+    raise OSError(f"no {controller or 'cgroup2'} hierarchy")
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def make_cgroups():
+    """The trainer's side: a folder for this sandbox's cgroups in each hierarchy the calls use, inside the trainer's own
+    cgroups ({"v1": {controller: folder}} or {"v2": folder}), where the trainer may make them (root). Each sandbox
+    process makes its own cgroups in them (_Cgroups); remove_cgroups removes them. Raises OSError where it cannot."""
+    name = f"tinyrl-sandbox-{os.getpid()}-{os.urandom(4).hex()}"
+    made = []
+    try:
+        if os.path.exists(f"{CGROUP}/memory/cgroup.procs"):  # cgroup v1 (or a hybrid machine)
+            folders = {}
+            for controller in ("memory", "pids", "blkio"):
+                folders[controller] = f"{CGROUP}/{controller}{_own_cgroup(controller).rstrip('/')}/{name}"
+                os.mkdir(folders[controller])
+                made.append(folders[controller])
+            return {"v1": folders}
+        own = f"{CGROUP}{_own_cgroup('').rstrip('/')}"
+        for base in dict.fromkeys((own, CGROUP)):  # the trainer's own, else the root (where the own holds processes)
+            folder = f"{base}/{name}"
+            try:
+                os.mkdir(folder)
+                made.append(folder)
+                with open(f"{base}/cgroup.subtree_control") as f:
+                    enabled = f.read().split()
+                for controller in ("memory", "pids", "io"):
+                    if controller not in enabled:
+                        _write(f"{base}/cgroup.subtree_control", f"+{controller}")
+                _write(f"{folder}/cgroup.subtree_control", "+memory +pids +io")
+                return {"v2": folder}
+            except OSError:
+                remove_cgroups({"v2": folder})
+                made.remove(folder)
+        raise OSError("no cgroup2 folder with the memory, pids and io controllers")
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+
+
+def remove_cgroups(cgroups, leaf=None):
+    """Remove a sandbox process's cgroups (leaf), or all of them and their folders; retried for a second while the
+    kernel still holds a dying call."""
+    if not cgroups:
+        return
+    folders = list(cgroups["v1"].values()) if "v1" in cgroups else [cgroups["v2"]]
+    paths = []
+    for folder in folders:
+        if leaf is not None:
+            paths.append(f"{folder}/{leaf}")
+        else:
+            with contextlib.suppress(OSError):
+                paths += [entry.path for entry in os.scandir(folder) if entry.is_dir()]
+            paths.append(folder)
+    deadline = time.monotonic() + 1
+    for path in paths:
+        while os.path.isdir(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+def _disks():
+    """The machine's block devices ("major:minor"), whole disks only (the I/O limits take no partition)."""
+    disks = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/sys/block"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/sys/block/{name}/size") as f:
+                    if int(f.read()) == 0:
+                        continue
+                with open(f"/sys/block/{name}/dev") as f:
+                    disks.append(f.read().strip())
+    return disks
+
+
+class _Cgroups:
+    """A sandbox process's side (made before its view, which has no /sys): its calls' cgroups. Cgroup v1: the calls'
+    memory cgroup (each call's child joins it: its own memory, its copies of this process's pages, its /tmp and its
+    kernel memory, socket buffers included, bounded by `limit`, and no swap), and a pids and a blkio cgroup that this
+    process joins once its start-up probes are done, so its calls inherit them: this process and one child at most
+    (its call), and reads from each disk of at most IO_READ_BPS and IO_READ_IOPS. Cgroup2: one cgroup with all of
+    these, which each call's child joins. `join_fds` are the cgroup.procs files the child writes "0" to; a kill by
+    the memory limit shows in `oom_kills()`."""
+
+    def __init__(self, cgroups, leaf, limit):
+        self.join_fds, self.own_fds, self.events = [], [], None
+        io = [(disk, f"rbps={IO_READ_BPS} riops={IO_READ_IOPS}") for disk in _disks()]
+        if "v1" in cgroups:
+            memory, pids, blkio = (f"{cgroups['v1'][c]}/{leaf}" for c in ("memory", "pids", "blkio"))
+            for folder in (memory, pids, blkio):
+                os.mkdir(folder)
+            _write(f"{memory}/memory.limit_in_bytes", str(limit))
+            for name in ("memory.memsw.limit_in_bytes", "memory.swappiness"):  # no swap (where the kernel has it)
+                with contextlib.suppress(OSError):
+                    _write(f"{memory}/{name}", str(limit) if "memsw" in name else "0")
+            _write(f"{pids}/pids.max", "2")
+            throttled = 0
+            for disk, _ in io:
+                for name, value in (("read_bps_device", IO_READ_BPS), ("read_iops_device", IO_READ_IOPS)):
+                    with contextlib.suppress(OSError):
+                        _write(f"{blkio}/blkio.throttle.{name}", f"{disk} {value}")
+                        throttled += 1
+            if io and not throttled:
+                raise OSError("no disk takes an I/O limit")
+            self.join_fds = [os.open(f"{memory}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)]
+            self.own_fds = [os.open(f"{folder}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for folder in (pids, blkio)]
+            self.events = os.open(f"{memory}/memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            folder = f"{cgroups['v2']}/{leaf}"
+            os.mkdir(folder)
+            _write(f"{folder}/memory.max", str(limit))
+            with contextlib.suppress(OSError):
+                _write(f"{folder}/memory.swap.max", "0")
+            _write(f"{folder}/pids.max", "1")
+            throttled = 0
+            for disk, value in io:
+                with contextlib.suppress(OSError):
+                    _write(f"{folder}/io.max", f"{disk} {value}")
+                    throttled += 1
+            if io and not throttled:
+                raise OSError("no disk takes an I/O limit")
+            self.join_fds = [os.open(f"{folder}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)]
+            self.events = os.open(f"{folder}/memory.events", os.O_RDONLY | os.O_CLOEXEC)
+
+    def join_own(self):
+        for fd in self.own_fds:
+            os.write(fd, b"0")
+            os.close(fd)
+        self.own_fds = []
+
+    def oom_kills(self):
+        """How many of this process's calls the kernel killed at their memory limit so far."""
+        found = re.search(rb"oom_kill (\d+)", os.pread(self.events, 4096, 0))
+        return int(found[1]) if found else 0
+
+
 def _probe(test):
     """Whether test() runs without an exception in a child of this process."""
     pid = os.fork()
@@ -422,8 +655,9 @@ class _World:
     process of a fresh PID namespace and enters fresh mount (its private /tmp), IPC and UTS namespaces. `lacks` names
     what this machine does not allow (see LACKS)."""
 
-    def __init__(self, folder, hidden, without):
+    def __init__(self, folder, hidden, without, cgroups=None):
         self.root = os.geteuid() == 0
+        self.cgroups = cgroups
         self.uid, self.gid = (NOBODY, NOBODY) if self.root else (os.getuid(), os.getgid())
         self.lacks, self.flags, self.view, self.pid_fd, self.seccomp = [], 0, False, None, None
         self.calls = tempfile.mkdtemp(dir=folder)  # the mount point of the view, or the calls' folders without one
@@ -481,6 +715,12 @@ class _World:
         else:
             self.seccomp = None
             self.lacks.append("seccomp")
+        if self.cgroups is not None and not _probe(lambda: [os.write(fd, b"0") for fd in self.cgroups.join_fds]):
+            self.cgroups = None  # a child cannot join the calls' cgroup (e.g. a cgroup2 tree that refuses it)
+        if self.cgroups is None:
+            self.lacks.append("cgroup")
+        else:
+            self.cgroups.join_own()  # its pids and blkio cgroups, once its probes' children are gone
 
     def _pid_namespace(self):
         """Become the first process of a PID namespace of our own (the started process stays outside, waits for us
@@ -564,12 +804,12 @@ class _CappedText(io.TextIOBase):
 # ---- A sandbox process ----------------------------------------------------------------------------------------------
 
 
-def _serve(channel_fd, config):
+def _serve(channel_fd, config, leaf):
     """A sandbox process: a fresh interpreter, started isolated (python -I, an empty environment, not in the
     trainer's folder), never a fork of the trainer. It imports `modules`, takes its limits, sets up its _World, makes
     two test calls, answers [why it cannot run calls or "", a warning or ""] on its channel (a Unix socket to the
     trainer), then serves calls (_serve_calls)."""
-    modules, memory_bytes, file_bytes, max_chars, timeout, folder, hidden, without = json.loads(config)
+    modules, memory_bytes, file_bytes, max_chars, timeout, folder, hidden, without, cgroups = json.loads(config)
     channel = socket.socket(fileno=channel_fd)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -581,7 +821,13 @@ def _serve(channel_fd, config):
         os.environ.clear()  # calls see an empty environment
         limit_process(memory_bytes, file_bytes)  # here: the view has no /proc
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        world = _World(folder, hidden, set(without))
+        calls_cgroups = None
+        if cgroups and "cgroup" not in without:
+            with open("/proc/self/statm") as f:  # a child may copy each page this process holds, and no more
+                resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with contextlib.suppress(OSError):
+                calls_cgroups = _Cgroups(cgroups, leaf, memory_bytes + resident + (TMP_MB + KERNEL_SLACK_MB) * 2**20)
+        world = _World(folder, hidden, set(without), calls_cgroups)
         world.alive_r, world.alive_w = os.pipe()  # a child sees this process gone when alive_r reads end-of-file
         compile("", "<tool>", "exec")  # its first compile() makes Python's AST types: here, not in every child
         gc.freeze()  # the imported objects stay out of the children's garbage collections: fewer pages copied
@@ -616,6 +862,7 @@ def _serve_calls(world, channel, max_chars, timeout):
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes the select below
     call = None  # [pid, deadline, folder, killed for its time]
+    oom_kills = [world.cgroups.oom_kills() if world.cgroups else 0]  # calls killed at their memory limit so far
 
     def end(block):
         nonlocal call
@@ -626,9 +873,13 @@ def _serve_calls(world, channel, max_chars, timeout):
             # RLIMIT_CPU's SIGKILL: the kernel checks that limit against CPU time sampled at scheduler ticks, wait4
             # reports the exact run time, and on a loaded machine the two can differ by more than 0.05 s: half the
             # limit tells a CPU-bound call from one killed early for another reason
-            used_cpu = (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-                        and usage.ru_utime + usage.ru_stime >= cpu_limit(timeout) / 2)
-            channel.send(b"s" + ("timeout" if call[3] else "cpu" if used_cpu else _status(status)).encode())
+            killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+            used_cpu = killed and usage.ru_utime + usage.ru_stime >= cpu_limit(timeout) / 2
+            memory = killed and world.cgroups is not None and world.cgroups.oom_kills() > oom_kills[0]
+            if memory:
+                oom_kills[0] = world.cgroups.oom_kills()
+            channel.send(b"s" + ("timeout" if call[3] else "memory" if memory else "cpu" if used_cpu
+                                 else _status(status)).encode())
             call = None
 
     while True:
@@ -649,8 +900,11 @@ def _serve_calls(world, channel, max_chars, timeout):
             message, fds = b"", []
         if not message:
             return  # the trainer closed the channel
+        if message == b"k" and call:  # the trainer has its answer: the call ends now, and its whole PID namespace
+            os.kill(call[0], signal.SIGKILL)  # (it is the namespace's first process) before any other call starts
+            end(block=True)
         if message == b"c":
-            if call:  # it closed its pipe early and runs on: the trainer has its answer
+            if call:  # (the trainer always waits for a call's end first)
                 os.kill(call[0], signal.SIGKILL)
                 end(block=True)
             try:
@@ -723,6 +977,8 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
             return  # its sandbox process died before the line above: nothing may outlive it
         signal.set_wakeup_fd(-1)
         os.setsid()  # kill(0, ...) reaches this process only
+        for fd in world.cgroups.join_fds if world.cgroups else ():
+            os.write(fd, b"0")  # the call's cgroup: its memory, kernel memory included, counted and bounded
         code = b""
         while chunk := os.read(code_fd, 1 << 16):
             code += chunk
@@ -822,6 +1078,9 @@ def _outcome(data, status, max_chars, timeout):
         return "", f"TimeoutError: the code used {cpu_limit(timeout)} s of CPU and was stopped"
     if status == "timeout":
         return "", f"TimeoutError: the code waited for more than {wall_limit(timeout):g} s and was stopped"
+    if status == "memory":
+        return "", ("MemoryError: the code's memory (kernel buffers and /tmp included) passed its limit and it was "
+                    "stopped")
     if status == "not started":
         return "", "the sandbox could not start the call"
     return "", f"the code ended without a result ({status})"  # a segfault, memory exhausted in C code, junk
@@ -853,8 +1112,12 @@ class PythonSandbox:
         self.folder = tempfile.mkdtemp(prefix="tinyrl-sandbox-")  # each process's folder is made in it
         os.chmod(self.folder, 0o711)
         hidden = [ROOT, os.getcwd(), os.path.expanduser("~")]  # never in a call's view, even inside a bound folder
+        self.cgroups, self.started = None, 0
+        if os.geteuid() == 0 and "cgroup" not in _without:
+            with contextlib.suppress(OSError):
+                self.cgroups = make_cgroups()
         self.config = json.dumps([list(modules), memory_mb * 2**20, file_mb * 2**20, max_output_chars, timeout,
-                                  self.folder, hidden, list(_without)])
+                                  self.folder, hidden, list(_without), self.cgroups])
         self.warning, self.lacks, self.processes = "", [], []
         try:
             for _ in range(num_workers or default_reward_workers()):  # 0: as many as the reward workers
@@ -868,9 +1131,10 @@ class PythonSandbox:
     def _start(self):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from plumbing.tools import _serve; del sys.path[0]; "
-                "_serve(int(sys.argv[2]), sys.argv[3])")
+                "_serve(int(sys.argv[2]), sys.argv[3], sys.argv[4])")
+        leaf, self.started = f"p{self.started}", self.started + 1  # the name of its cgroups
         try:
-            process = subprocess.Popen([sys.executable, "-I", "-c", code, ROOT, str(child.fileno()), self.config],
+            process = subprocess.Popen([sys.executable, "-I", "-c", code, ROOT, str(child.fileno()), self.config, leaf],
                                        pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True, env=_environment(), cwd="/")
         except BaseException:
@@ -879,6 +1143,7 @@ class PythonSandbox:
         finally:
             child.close()
         process.channel, process.dead, process.sent, process.received, process.status = parent, False, 0, 0, (-1, "")
+        process.leaf = leaf
         return process
 
     def _ready(self, process):
@@ -925,14 +1190,19 @@ class PythonSandbox:
         """[(output, error)] of each code, in order, the calls spread over the processes; error is "" on success.
         A call's answer is taken from its pipe's first read where it is whole (an honest child writes it at once),
         else once its sandbox process says the child ended: a call that writes a byte at a time wakes the trainer
-        twice, not once a byte."""
+        twice, not once a byte. A call ends when its answer arrives: its sandbox process is told to kill its child
+        (the first process of its PID namespace: the namespace dies with it), and no call starts anywhere until the
+        child is reaped; run() returns once every call's child has ended."""
         results = [("", f"the code is over {MAX_CODE_CHARS} characters and was not run") if len(code) > MAX_CODE_CHARS
                    else None for code in codes]
         todo = [i for i in reversed(range(len(codes))) if results[i] is None]
-        busy = {}  # a process's index -> its call: [index, backstop deadline, read end, its number, ended, first read]
+        busy = {}  # a process's index -> its call: [index, backstop deadline, read end, its number, ended, first read,
+        # its answer (once read whole)]
         while todo or busy:
+            # no call starts while the child of an answered call may still run: nothing of a call meets a later one
+            ending = any(call[6] is not None for call in busy.values())
             for k in range(len(self.processes)):
-                while k not in busy and todo:
+                while k not in busy and todo and not ending:
                     i = todo.pop()
                     read_end = self._send(k, codes[i])
                     if read_end is None:
@@ -940,20 +1210,24 @@ class PythonSandbox:
                         self._replace(k)
                     else:  # a backstop: each call is timed by its sandbox process; the slack covers a replacement
                         busy[k] = [i, time.monotonic() + wall_limit(self.timeout) + 10, read_end,
-                                   self.processes[k].sent - 1, False]
+                                   self.processes[k].sent - 1, False, b"", None]
             wait = max(0.0, min(call[1] for call in busy.values()) - time.monotonic())
             waits = {call[2] if not call[4] else self.processes[k].channel: k for k, call in busy.items()}
             for ready in select.select(list(waits), [], [], wait)[0]:
                 k = waits[ready]
                 call = busy[k]
                 if not call[4]:  # its first read
-                    call.append(os.read(call[2], self.cap + 1))
-                    results[call[0]] = _answer(call[5], self.max_chars)
-                    call[4] = results[call[0]] is None  # not whole: wait for its end
+                    call[5] = os.read(call[2], self.cap + 1)
+                    call[6] = _answer(call[5], self.max_chars)
+                    call[4] = True  # wait for its end: at once where it answered (its child is killed now)
+                    if call[6] is not None:
+                        self._end(k)
                 else:
                     status = self._statuses(k, call[3])
                     if status is not None or self.processes[k].dead:
-                        results[call[0]] = self._ended(k, call, status)
+                        results[call[0]] = call[6] if call[6] is not None else self._ended(k, call, status)
+                        if status is None and call[6] is not None:  # the process died: its children with it
+                            self._replace(k)
             for k, call in list(busy.items()):
                 if results[call[0]] is None and time.monotonic() >= call[1]:  # the process stopped answering
                     results[call[0]] = ("", "the sandbox process died or stopped answering; it was replaced")
@@ -962,6 +1236,12 @@ class PythonSandbox:
                     os.close(call[2])
                     del busy[k]
         return results
+
+    def _end(self, k):
+        """Tell sandbox process k that its call has answered: it kills the call's child (if it still runs) and
+        reaps it, then sends the call's status as for any end."""
+        with contextlib.suppress(OSError):
+            self.processes[k].channel.send(b"k", socket.MSG_DONTWAIT)
 
     def _statuses(self, k, wanted=None):
         """Read process k's status messages sent so far (one per call, in order, once the call's child has ended).
@@ -994,6 +1274,7 @@ class PythonSandbox:
 
     def _replace(self, k):
         self._stop(self.processes[k])
+        remove_cgroups(self.cgroups, self.processes[k].leaf)
         self.processes[k] = self._start()
         self._ready(self.processes[k])
 
@@ -1009,6 +1290,8 @@ class PythonSandbox:
             self._stop(process)
         self.processes = []
         _remove(self.folder)
+        remove_cgroups(self.cgroups)
+        self.cgroups = None
 
     def __enter__(self):
         return self

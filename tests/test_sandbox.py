@@ -127,11 +127,11 @@ def test_a_python_environment_under_tmp_is_refused_at_start():
 def test_the_warning_says_what_the_run_lacks():
     """Each mechanism left out (as on a machine that does not allow it) is named in the one-line warning, and the
     sandbox still runs calls; with every mechanism left out it runs as a plain child per call."""
-    for name in ("net", "ipc", "seccomp"):
+    for name in ("net", "ipc", "seccomp", "cgroup"):
         with PythonSandbox(num_workers=1, timeout=2.0, _without=(name,)) as sandbox:
             assert LACKS[name] in sandbox.warning and "\n" not in sandbox.warning
             assert sandbox.run(["print(6 * 7)"]) == [("42\n", "")]
-    everything = ("user namespace", "pid", "view", "net", "ipc", "uts", "seccomp", "uid")
+    everything = ("user namespace", "pid", "view", "net", "ipc", "uts", "seccomp", "uid", "cgroup")
     with PythonSandbox(num_workers=2, timeout=1.0, _without=everything) as sandbox:
         assert LACKS["view"] in sandbox.warning and LACKS["pid"] in sandbox.warning
         results = sandbox.run(["print(6 * 7)", "import os\nprint(os.listdir('.'))", "while True:\n    pass",

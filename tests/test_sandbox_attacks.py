@@ -2,8 +2,10 @@
 but its own call. The classes of attack, each through several routes (one test case per route): (1) the trainer's
 secrets, (2) earlier calls' data in a call's memory, (3) group-mates' calls, (4) state that outlives a call, (5) the
 machine's loopback services and other sockets, (6) a tree that makes cleanup slow, (7) code planted for the next
-sandbox process, (8) the checkout and the run folders; tool output tokenized as plain text; and the same world under
-a non-root trainer."""
+sandbox process, (8) the checkout and the run folders, (9) group-mates starved through the disk and machine-wide
+quotas, (10) memory outside the call's limit, (11) a call that runs on after its answer, (12) calls that talk through
+the kernel's shared state (locks, inotify, futexes, the page cache, machine-wide counters); tool output tokenized as
+plain text; and the same world under a non-root trainer."""
 
 import contextlib
 import json
@@ -737,3 +739,294 @@ def test_a_non_root_trainer_keeps_calls_apart_too(non_root, route):
         assert result[1].split(":")[0] in ("FileNotFoundError", "OSError", "ConnectionRefusedError"), result
     else:
         assert result == NON_ROOT_EXPECTED[route], result
+
+
+# ---- (9) group-mates starved through the disk and machine-wide quotas ---------------------------------------------
+
+X86 = platform.machine() == "x86_64"  # the raw system-call numbers below are x86_64's
+DISK_ROUTES = {  # each prints 'done' where the kernel took the request
+    "evict with fadvise": "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)",
+    "background reads with fadvise": "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)",
+    "background reads with madvise": "mmap.mmap(fd, 0, prot=mmap.PROT_READ).madvise(mmap.MADV_WILLNEED)",
+    "readahead": "assert libc.syscall(187, fd, ctypes.c_long(0), ctypes.c_size_t(1 << 20)) == 0",
+    "reads past the page cache": "os.close(os.open(os.__file__, os.O_RDONLY | os.O_DIRECT))",
+    "64 reads in flight": "ctx = ctypes.c_ulong(0)\nassert libc.syscall(206, 64, ctypes.byref(ctx)) == 0",
+    "write back the machine": "assert libc.syscall(162) == 0",  # sync(): every dirty page of the machine
+}
+
+
+@pytest.mark.parametrize("route", DISK_ROUTES)
+def test_9_a_call_makes_no_disk_traffic_it_does_not_wait_for(lacks, route):
+    """The routes by which a call that uses no CPU keeps the disk busy for its group-mates (reads in flight in the
+    background, the whole machine's write-back) or evicts the view's files from the page cache (so that their next
+    import reads the disk): refused."""
+    require(lacks, "seccomp")
+    if not X86 and route in ("readahead", "64 reads in flight", "write back the machine"):
+        pytest.skip("x86_64 system-call numbers")
+    code = ("import ctypes, mmap, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "fd = os.open(os.__file__, os.O_RDONLY)\n"
+            f"try:\n    {DISK_ROUTES[route].replace(chr(10), chr(10) + '    ')}\n    print('done')\n"
+            "except (OSError, AssertionError) as e:\n"
+            "    print('refused', getattr(e, 'errno', None) or ctypes.get_errno())")
+    (output, error), = run([code])
+    assert output == "refused 1\n" and not error, (output, error)  # EPERM: the filter (not a quota another took)
+
+
+def test_9_a_call_cannot_evict_a_group_mates_modules(lacks):
+    """A file of the view the trainer has in the page cache stays there whatever a call does to it (checked with a
+    read that fails where the page is not cached)."""
+    require(lacks, "seccomp")
+    path = os.path.join(os.path.dirname(os.__file__), "pydoc_data", "topics.py")  # imported by no one here
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, os.fstat(fd).st_size)
+        evict = (f"import mmap, os\nfd = os.open({path!r}, os.O_RDONLY)\n"
+                 "for advice in ('POSIX_FADV_DONTNEED', 'POSIX_FADV_NOREUSE'):\n    try:\n"
+                 "        os.posix_fadvise(fd, 0, 0, getattr(os, advice))\n    except OSError:\n        pass\n"
+                 "m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\nfor advice in (20, 21):  # MADV_COLD, MADV_PAGEOUT\n"
+                 "    try:\n        m.madvise(advice)\n    except OSError:\n        pass\nprint('tried')")
+        assert run([evict]) == [("tried\n", "")]
+        os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)  # BlockingIOError where the page left the page cache
+    finally:
+        os.close(fd)
+
+
+def test_9_a_call_cannot_take_the_machines_aio_quota(lacks):
+    """Linux AIO contexts are a machine-wide quota (fs.aio-max-nr): a call that takes all of it would make the
+    trainer's own io_setup (any libaio user, such as NVMe offload) fail. Here the trainer's io_setup works while a
+    call tries."""
+    require(lacks, "seccomp")
+    if not X86:
+        pytest.skip("x86_64 system-call numbers")
+    import ctypes
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    take = ("import ctypes, time\nlibc = ctypes.CDLL(None, use_errno=True)\ntaken = 0\n"
+            "for _ in range(4096):\n    ctx = ctypes.c_ulong(0)\n"
+            "    if libc.syscall(206, 4096, ctypes.byref(ctx)) != 0:\n        break\n    taken += 4096\n"
+            "time.sleep(1.5)\nprint(taken)")
+    results = []
+    thread = threading.Thread(target=lambda: results.extend(run([take])))
+    thread.start()
+    failed = 0
+    try:
+        time.sleep(1.0)
+        for _ in range(20):
+            ctx = ctypes.c_ulong(0)
+            if libc.syscall(206, 8, ctypes.byref(ctx)) != 0:
+                failed += 1
+            else:
+                libc.syscall(207, ctx)  # io_destroy
+            time.sleep(0.02)
+    finally:
+        thread.join()
+    assert failed == 0 and results == [("0\n", "")], (failed, results)
+
+
+# ---- (10) memory outside the call's limit -------------------------------------------------------------------------
+
+BUFFERS = """
+import socket
+total, held, notes = 0, [], set()
+try:
+    for i in range(31):
+        a, b = socket.socketpair(socket.AF_UNIX, KIND)
+        for s in (a, b):
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF, 32, 33):  # and the FORCE ones
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, option, 64 << 20)
+                except OSError as e:
+                    notes.add(type(e).__name__)
+            s.setblocking(False)
+        held += [a, b]
+        for s in (a, b):
+            try:
+                while True:
+                    total += s.send(b"x" * SIZE)
+            except BlockingIOError:
+                pass
+except OSError as e:
+    notes.add(type(e).__name__)
+print(total >> 20)
+"""
+
+
+@pytest.mark.parametrize("kind", ["stream", "datagram"])
+def test_10_a_call_holds_no_memory_outside_its_limit_in_socket_buffers(lacks, kind):
+    """Unix socket buffers are kernel memory outside the address-space limit (hundreds of MB with 64 descriptors
+    where net.core.wmem_max is large): a call of memory_mb=64 queues at most a few tens of MB (the machine's
+    default buffer size: SO_SNDBUF/SO_RCVBUF refused), or is stopped at its cgroup's bound."""
+    require(lacks, "seccomp")
+    code = BUFFERS.replace("KIND", f"socket.SOCK_{'STREAM' if kind == 'stream' else 'DGRAM'}").replace(
+        "SIZE", "65536" if kind == "stream" else "16384")
+    (output, error), = run([code], timeout=10.0, memory_mb=64)
+    assert ("MemoryError" in error) if error else int(output) <= 48, (output, error)
+
+
+def test_10_a_calls_kernel_memory_is_bounded_by_its_cgroup(lacks):
+    """Without the filter's refusal (as on a machine without seccomp), the call's cgroup counts its socket buffers
+    with its memory: it is stopped at its bound, and the error says so."""
+    require(lacks, "cgroup")
+    code = BUFFERS.replace("KIND", "socket.SOCK_STREAM").replace("SIZE", "65536")
+    with PythonSandbox(num_workers=1, timeout=10.0, memory_mb=64, _without=("seccomp",)) as sandbox:
+        (output, error), = sandbox.run([code])
+        assert "MemoryError" in error and "limit" in error, (output, error)
+        assert sandbox.run(["print(6 * 7)"]) == [("42\n", "")]
+
+
+# ---- (11) a call ends when its answer arrives ---------------------------------------------------------------------
+
+LINGER = """
+import ctypes, json, os, stat, time
+ctypes.CDLL(None).prctl(15, b'NAME')  # PR_SET_NAME: findable in the machine's process list
+for fd in range(3, 64):
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.write(fd, json.dumps(['answered', '']).encode())
+            os.close(fd)
+    except OSError:
+        pass
+end = time.time() + 20
+while time.time() < end:
+    WAIT
+"""
+
+
+def _running(name):
+    found = []
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(pid)
+    return found
+
+
+@pytest.mark.parametrize("wait", ["spin", "sleep"])
+def test_11_nothing_of_a_call_runs_after_its_answer(lacks, wait):
+    """A call that writes its answer, closes its pipe and lingers (spinning, or sleeping) to reach calls of the next
+    step on other sandbox processes: once run() has its answer, the call's process is gone."""
+    require(lacks, "pid")
+    name = f"tinyrl-{secrets.token_hex(3)}"
+    code = LINGER.replace("NAME", name).replace("WAIT", "pass" if wait == "spin" else "time.sleep(0.01)")
+    with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
+        start = time.monotonic()
+        results = sandbox.run(["print(1)", "print(2)", code])  # the last call: none after it kills it
+        took = time.monotonic() - start
+        running = _running(name)
+        assert sandbox.run(["print(3)"] * 2) == [("3\n", "")] * 2
+    assert results == [("1\n", ""), ("2\n", ""), ("answered", "")], results
+    assert not running and took < 5, (running, took)
+
+
+# ---- (12) calls that talk through shared kernel state --------------------------------------------------------------
+
+VALUE = 0xA5  # the 8 bits a sender sends
+FILES = "import os, glob\nfiles = sorted(glob.glob(os.path.dirname(os.__file__) + '/[a-z]*.py'))[:8]\n"
+MAP = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.mmap.restype = ctypes.c_void_p\n"
+       "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,\n"
+       "                      ctypes.c_long]\n"
+       "fd = os.open(os.__file__, os.O_RDONLY)\n"
+       "address = libc.mmap(None, 4096, 1, 1, fd, 0)\n")  # PROT_READ, MAP_SHARED
+CHANNELS = {  # route: (sender, receiver); each prints what it ends with (the receiver: the value it read, or None)
+    "flock": (
+        FILES + "import fcntl, time\nheld = []\nfor i, path in enumerate(files):\n    if VALUE >> i & 1:\n"
+        "        f = open(path)\n        held.append(f)\n        try:\n            fcntl.flock(f, fcntl.LOCK_SH)\n"
+        "        except OSError:\n            pass\ntime.sleep(1.5)\nprint('sent')",
+        FILES + "import fcntl, time\ntime.sleep(0.5)\nvalue = 0\ntry:\n    for i, path in enumerate(files):\n"
+        "        try:\n            fcntl.flock(open(path), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "        except BlockingIOError:\n            value |= 1 << i\n    print(value)\nexcept OSError:\n"
+        "    print(None)"),
+    "byte-range locks": (
+        "import fcntl, os, struct, time\nfd = os.open(os.__file__, os.O_RDONLY)\nfor i in range(8):\n"
+        "    if VALUE >> i & 1:\n        try:\n"
+        "            fcntl.fcntl(fd, 37, struct.pack('hhqqi4x', fcntl.F_RDLCK, 0, i, 1, 0))  # F_OFD_SETLK\n"
+        "        except OSError:\n            pass\ntime.sleep(1.5)\nprint('sent')",
+        "import fcntl, os, struct, time\ntime.sleep(0.5)\nfd = os.open(os.__file__, os.O_RDONLY)\nvalue = 0\ntry:\n"
+        "    for i in range(8):\n"
+        "        got = fcntl.fcntl(fd, 36, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, i, 1, 0))  # F_OFD_GETLK\n"
+        "        if struct.unpack('hhqqi4x', got)[0] != fcntl.F_UNLCK:\n            value |= 1 << i\n"
+        "    print(value)\nexcept OSError:\n    print(None)"),
+    "inotify": (
+        FILES + "import time\nend = time.time() + 1.2\nwhile time.time() < end:\n"  # until the receiver watches
+        "    for i, path in enumerate(files):\n        if VALUE >> i & 1:\n            open(path).close()\n"
+        "    time.sleep(0.05)\nprint('sent')",
+        FILES + "import ctypes, os, select, struct, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "fd = libc.inotify_init1(os.O_NONBLOCK)\nwatches = {libc.inotify_add_watch(fd, p.encode(), 0x20): i "
+        "for i, p in enumerate(files)} if fd >= 0 else {}\n"  # IN_OPEN
+        "time.sleep(1.5)\nvalue = None\nif fd >= 0 and -1 not in watches:\n    value = 0\n"
+        "    while select.select([fd], [], [], 0)[0]:\n        data = os.read(fd, 65536)\n"
+        "        while data:\n            wd, _, _, n = struct.unpack('iIII', data[:16])\n"
+        "            value |= 1 << watches[wd]\n            data = data[16 + n:]\nprint(value)"),
+    "shared futex": (  # one wait on word VALUE of a file the two calls map: its futex is keyed on the file's page
+        MAP + "word = ctypes.c_uint.from_address(address + 4 * VALUE).value\n"
+        "timeout = (ctypes.c_long * 2)(1, 500_000_000)\n"
+        "libc.syscall(202, ctypes.c_void_p(address + 4 * VALUE), 0, word, ctypes.byref(timeout), 0, 0)\n"  # WAIT
+        "print('sent')",
+        MAP + "import time\ntime.sleep(0.5)\nvalue = None\nfor v in range(256):\n"
+        "    if libc.syscall(202, ctypes.c_void_p(address + 4 * v), 1, 1, 0, 0, 0) == 1:  # FUTEX_WAKE one\n"
+        "        value = v\nprint(value)"),
+}
+
+
+@pytest.mark.parametrize("route", CHANNELS)
+def test_12_concurrent_calls_cannot_talk_through_shared_kernel_state(lacks, route):
+    """Two concurrent calls of one step (two sandbox processes), a sender and a receiver of 8 bits, through the
+    kernel's objects on the view's shared files: locks (flock, byte-range locks only queried), inotify, a shared
+    futex on a read-only mapped file. The receiver reads nothing."""
+    require(lacks, "seccomp", "view")
+    if route == "shared futex" and not X86:
+        pytest.skip("x86_64 system-call numbers")
+    sender, receiver = (code.replace("VALUE", str(VALUE)) for code in CHANNELS[route])
+    got = run([sender, receiver], workers=2)
+    assert got[1][0].strip() != str(VALUE), got
+
+
+TOPICS = "import os\npath = os.path.join(os.path.dirname(os.__file__), 'pydoc_data', 'topics.py')\n"  # no one reads it
+PAGE_SENDER = TOPICS + """import time
+fd = os.open(path, os.O_RDONLY)
+for bit in (1, 0):  # the reads first, then (once their read-ahead is done) the evictions
+    for i in range(8):
+        try:
+            if VALUE >> i & 1 == bit == 1:
+                os.pread(fd, 4096, i * 65536)
+            elif VALUE >> i & 1 == bit == 0:
+                os.posix_fadvise(fd, i * 65536, 4096, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+    time.sleep(0.2)
+print('sent')"""
+PAGE_PROBES = {  # (cachestat and mincore, also refused, answer on this kernel only for a file the caller may write)
+    "read without waiting": "os.preadv(fd, [bytearray(4096)], i * 65536, os.RWF_NOWAIT)",
+}
+
+
+@pytest.mark.parametrize("probe", PAGE_PROBES)
+def test_12_a_later_call_reads_nothing_an_earlier_call_left_in_the_page_cache(lacks, probe):
+    """An earlier call sends 8 bits through the page cache of a file of the view (evicting a page for 0, reading it
+    for 1), and a later call probes those pages without timing them (a read that fails where the page is not
+    cached): both ends refused."""
+    require(lacks, "seccomp")
+    body = PAGE_PROBES[probe].replace("\n", "\n        ")
+    receiver = (TOPICS + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = os.open(path, os.O_RDONLY)\n"
+                f"value = 0\ntry:\n    for i in range(8):\n      try:\n        {body}\n        value |= 1 << i\n"
+                "      except BlockingIOError:\n        pass\nexcept (OSError, AssertionError):\n    value = None\n"
+                "print(value)")
+    with PythonSandbox(num_workers=2) as sandbox:
+        assert sandbox.run([PAGE_SENDER.replace("VALUE", str(VALUE))]) == [("sent\n", "")]
+        (output, error), = sandbox.run([receiver])
+    assert output.strip() != str(VALUE) and not error, (output, error)
+
+
+def test_12_a_call_sees_no_machine_wide_memory_counter(lacks):
+    """sysinfo() gives the machine's shared-memory count (every tmpfs, a call's private /tmp among them) and free
+    memory: a call that fills its /tmp moves the count any other call can read. Refused."""
+    require(lacks, "seccomp", "view")
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ninfo = ctypes.create_string_buffer(256)\n"
+            "def shared():\n    if libc.sysinfo(info) != 0:\n        return None\n"
+            "    return ctypes.c_ulong.from_buffer(info, 48).value * ctypes.c_uint.from_buffer(info, 104).value\n"
+            "before = shared()\nfor i in range(12):\n    open(f'/tmp/fill{i}', 'wb').write(b'x' * 1000_000)\n"
+            "after = shared()\n"
+            "print('refused' if before is None else 'moved' if after - before >= 8_000_000 else 'still')")
+    assert run([code]) == [("refused\n", "")]
