@@ -106,18 +106,23 @@ def test_defaults_follow_the_model():
 @pytest.mark.slow
 @pytest.mark.parametrize("data, prompts", [("gold", "16"), ("rft", "8")])
 def test_sft_learns_the_toy(tmp_path, data, prompts):
-    """Format and accuracy rise: held-out greedy pass@1 from the untrained toy's ~0.6 to above 0.75 in 40 steps (0.90
-    gold and 0.86 rft when measured); rft fits only its correct samples."""
+    """40 steps. Gold targets: held-out greedy pass@1 from the untrained toy's 0.75 (`grpo.py --eval_only --eval_size
+    100`) to above 0.82 (0.87-0.90 over four seeds when measured). rft fits only its correct samples and sharpens what
+    the policy samples: the sampled (train) accuracy of the last 10 steps above the first 10's by 0.05 (0.37 -> 0.52
+    when measured), the greedy one not fallen below 0.65 (0.64-0.86 over seeds: 40 steps of 8 prompts is short)."""
     _, rows = run_grpo(["--data", data, "--total_steps", "40", "--eval_every", "40", "--eval_size", "100",
                         "--prompts_per_step", prompts, "--kl_prompts", "8", "--log_completions_every", "0"], tmp_path,
                        script="sft.py")
     first, last = rows[0], rows[-1]
-    assert last["eval/pass@1_greedy"] > 0.75 and last["eval/format_greedy"] > 0.9, last
-    assert last["eval/forward_kl"] > 0  # it moved away from the initial policy
+    assert last["eval/format_greedy"] > 0.9 and last["eval/forward_kl"] > 0, last  # it moved from the initial policy
     if data == "gold":
+        assert last["eval/pass@1_greedy"] > 0.82, last
         assert first["charts/accuracy"] == 1.0 and first["sft/fitted_frac"] == 1.0
     else:
-        assert 0 < first["sft/fitted_frac"] == pytest.approx(first["charts/accuracy"]) < 1
+        sampled = [r["charts/accuracy"] for r in rows]
+        assert sum(sampled[-10:]) / 10 > sum(sampled[:10]) / 10 + 0.05, sampled
+        assert last["eval/pass@1_greedy"] > 0.65, last
+        assert 0 < first["sft/fitted_frac"] < 1 and first["sft/fitted_frac"] == pytest.approx(first["charts/accuracy"])
 
 
 @pytest.mark.slow
