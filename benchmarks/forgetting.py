@@ -3,7 +3,7 @@ model could already do (RL's Razor, arXiv 2509.04259: at matched new-task accura
 SFT, and the forward KL to the base policy on the new task predicts forgetting, whatever the method).
 
     python benchmarks/forgetting.py                       # the SmolLM2 settings below
-    python benchmarks/forgetting.py --methods grpo:1e-5 sft:1e-5 sft:3e-6 rft:1e-5 --seeds 1 2 --steps 30
+    python benchmarks/forgetting.py --methods grpo:1e-5 sft:3e-6 sft:1e-6 rft:1e-5 --seeds 1 2 --steps 40
 
 Every run is a script of this repository in a subprocess (`grpo.py`, `sft.py --data gold`, `sft.py --data rft`) with
 the shared settings, tracking the prior tasks and the forward KL at every evaluation (--prior_tasks, --kl_prompts:
@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "rg:chain_sum:min_terms=2,max_terms=3,min_digits=1,max_digits=1"
 PRIOR_TASKS = ["rg:letter_counting", "rg:basic_arithmetic:min_terms=2,max_terms=2,min_digits=1,max_digits=1"]
 SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", "--engine", "hf",
-            "--prompts_per_step", "4", "--num_generations", "4", "--max_new_tokens", "48", "--eval_size", "50",
+            "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--eval_size", "50",
             "--eval_samples", "1", "--prior_eval_size", "50", "--kl_prompts", "32", "--save_every", "0",
             "--log_completions_every", "10"]
 METHODS = {"grpo": ("grpo.py",), "sft": ("sft.py", "--data", "gold"), "rft": ("sft.py", "--data", "rft")}
@@ -77,10 +77,10 @@ def fmt(values):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=["grpo:1e-5", "sft:1e-5", "sft:3e-6", "rft:1e-5"],
+    parser.add_argument("--methods", nargs="+", default=["grpo:1e-5", "sft:3e-6", "sft:1e-6", "rft:1e-5"],
                         help="NAME:LEARNING_RATE, NAME one of " + ", ".join(METHODS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--prior_tasks", nargs="+", default=PRIOR_TASKS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
