@@ -88,9 +88,25 @@ def test_the_forward_kl_is_zero_at_the_start_and_the_monte_carlo_sum_after_an_up
     assert resumed.evaluate(None, logprobs, tokenizer, accelerator) == result
 
 
+def test_every_script_wires_tracking_into_its_evaluations():
+    """The measuring is the shared Evaluation block (the same text in every script but grpo_tools.py, which
+    tests/test_shared_blocks.py holds) and plumbing/evaluation.py; what each script adds is its main(): it starts the
+    tracking before any update and passes it to every evaluation, and closes it (run below for three scripts)."""
+    import re
+
+    assert len(SCRIPTS) >= 16
+    for script in SCRIPTS:
+        main = open(os.path.join(ROOT, script)).read().split("\ndef main(", 1)[1]
+        before_update = main.split("load_checkpoint(", 1)[0]
+        assert "tracking = start_tracking(args, setup, tokenizer, accelerator," in before_update, script
+        calls = re.findall(r"evaluate\((.*?)\)\)?\n", main, re.DOTALL)
+        assert len(calls) == 2 and all("tracking" in call for call in calls), (script, calls)
+        assert main.count("tracking.close()") == 2, script  # after --eval_only, and at the end
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_tracks_prior_tasks_and_the_forward_kl(tmp_path, script):
+@pytest.mark.parametrize("script", ["grpo.py", "grpo_tools.py", "sft.py"])  # the evaluation's two texts; no RL
+def test_a_run_tracks_prior_tasks_and_the_forward_kl(tmp_path, script):
     flags = ["--total_steps", "1", "--eval_every", "1", "--eval_size", "2", "--eval_samples", "1", "--prompts_per_step",
              "4", "--num_generations", "2", "--prior_tasks", "toy_mul", "rg:chain_sum", "--prior_eval_size", "2",
              "--kl_prompts", "2", "--log_completions_every", "0"]
