@@ -468,7 +468,9 @@ def _build_view(mountpoint, hidden):
         if _inside(target, mountpoint):
             flags = MS_REMOUNT | MS_BIND | MS_NOSUID | sum(ms for st, ms in _LOCKED_FLAGS
                                                               if os.statvfs(target).f_flag & st)
-            _mount(None, target, None, flags | MS_NOEXEC if target in devices else flags | MS_RDONLY | MS_NODEV)
+            # the devices are the machine's own nodes: read-only binds (a write to /dev/null still works, a utime()
+            # that would set the node's timestamps for every call gets EROFS), and the only mounts that keep devices
+            _mount(None, target, None, flags | MS_RDONLY | (MS_NOEXEC if target in devices else MS_NODEV))
     os.chdir(mountpoint)
     _syscall("pivot_root", b".", b".")  # the view becomes this process's root, the machine's is stacked under it
     _check(_UMOUNT2(b".", 2), "umount2")  # MNT_DETACH: the machine's root is detached

@@ -8,6 +8,7 @@ the kernel's shared state (locks, inotify, futexes, the page cache, machine-wide
 plain text; and the same world under a non-root trainer."""
 
 import contextlib
+import errno
 import json
 import os
 import platform
@@ -339,6 +340,7 @@ def test_4_a_call_cannot_fill_memory_through_shm_or_tmp(lacks):
     lines = output.splitlines()
     assert not error and lines[0] == "No space left on device" and lines[2] == "no memfd", output
     assert int(lines[1].split()[0]) <= TMP_MB and lines[1].split()[1] == "True", output
+
 
 
 # ---- (5) loopback network -----------------------------------------------------------------------------------------
@@ -1030,3 +1032,24 @@ def test_12_a_call_sees_no_machine_wide_memory_counter(lacks):
             "after = shared()\n"
             "print('refused' if before is None else 'moved' if after - before >= 8_000_000 else 'still')")
     assert run([code]) == [("refused\n", "")]
+
+
+
+DEVICE_TIMES = "import os\nprint(os.stat('/dev/DEVICE').st_mtime_ns)"
+TOUCH_DEVICE = ("import os\ntry:\n    os.utime('/dev/DEVICE')  # to now: write permission is enough\n"
+                "    print('touched')\nexcept OSError as e:\n    print(e.errno)")
+
+
+@pytest.mark.parametrize("device", ["null", "zero", "full", "random", "urandom"])
+def test_12_a_later_call_finds_no_timestamp_an_earlier_call_set_on_a_device(lacks, device):
+    """The view's devices are the machine's own nodes: a call that sets one's timestamps (utime to now needs only
+    write permission) would hand every later call on any sandbox process bits in st_mtime. The binds are read-only:
+    utime gets EROFS and a later call on the other sandbox process reads the time the device had before."""
+    require(lacks, "view")
+    read, touch = (code.replace("DEVICE", device) for code in (DEVICE_TIMES, TOUCH_DEVICE))
+    with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
+        (before, _), = sandbox.run([read])
+        time.sleep(0.01)
+        (touched, _), = sandbox.run([touch])  # on the second process: the first is busy until run() returns
+        after = sandbox.run([read] * 2)
+    assert touched == f"{errno.EROFS}\n" and after == [(before, "")] * 2, (before, touched, after)
