@@ -36,8 +36,9 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
   Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs; and the kernel state calls would otherwise share:
   disk I/O a call does not wait for and page-cache eviction (AIO, io_uring, readahead, fadvise, O_DIRECT, sync), the
-  machine-wide AIO quota and counters (sysinfo), locks, leases and notifications on the view's files, shared
-  futexes, page-cache probes, socket buffers above the default size.
+  machine-wide AIO quota and counters (sysinfo, socket cookies), locks, leases and notifications on the view's
+  files, shared futexes, page-cache probes, socket buffers above the default size, IPv6 flow labels (they outlive
+  their socket and are counted machine-wide).
 - Cgroups (a root trainer): each sandbox process's calls run in a memory cgroup of their own (memory_mb, copies of
   the sandbox process's pages, the call's /tmp and its kernel memory, socket buffers included: a call past it is
   killed, a MemoryError line), and in a pids cgroup (the call alone) and a blkio cgroup (IO_READ_BPS, IO_READ_IOPS a
@@ -186,8 +187,10 @@ _CAPSET = _function("capset", ctypes.c_void_p, ctypes.c_void_p)
 # fadvise, O_DIRECT, sync), machine-wide quotas and counters (AIO contexts, sysinfo), file locks, leases and
 # notifications on the view's files (flock, fcntl's lock commands, inotify, fanotify, dnotify), shared futexes (a
 # futex without FUTEX_PRIVATE_FLAG keys on the file page, shared with every call that maps it), page-cache probes
-# (mincore, cachestat, RWF_NOWAIT), madvise's advice that evicts or fills file pages, and socket buffers beyond
-# the machine's default size (SO_SNDBUF, SO_RCVBUF).
+# (mincore, cachestat, RWF_NOWAIT), madvise's advice that evicts or fills file pages, socket buffers beyond the
+# machine's default size (SO_SNDBUF, SO_RCVBUF), socket cookies (SO_COOKIE, SO_NETNS_COOKIE: numbers from
+# machine-wide counters) and IPv6 flow labels (IPV6_FLOWLABEL_MGR: a label lingers seconds after its socket, and the
+# kernel counts them machine-wide).
 _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl",
            "semtimedop", "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
            "mq_timedreceive", "mq_notify", "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
@@ -210,6 +213,8 @@ FUTEX_PRIVATE_FLAG, RWF_NOWAIT = 128, 8
 MADV_WILLNEED, MADV_REMOVE, MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE = (
     3, 9, 20, 21, 22, 23, 25)  # advice that reads file pages in the background or evicts them
 SOL_SOCKET, SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE = 1, 7, 8, 32, 33
+SO_COOKIE, SO_NETNS_COOKIE = 57, 71  # a socket's and its namespace's cookie: numbers from machine-wide counters
+IPPROTO_IPV6, IPV6_FLOWLABEL_MGR = 41, 32  # IPv6 flow labels: they linger after their socket, in a machine-wide count
 _NEW_SYSCALLS = dict(io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
                      fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435, openat2=437,
                      pidfd_getfd=438, process_madvise=440, mount_setattr=442, memfd_secret=447, futex_waitv=449,
@@ -227,7 +232,8 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
         io_getevents=208, io_submit=209, io_cancel=210, io_pgetevents=333, readahead=187, fadvise64=221, sync=162,
         syncfs=306, mincore=27, migrate_pages=256, move_pages=279, sysinfo=99, flock=73, inotify_init=253,
         inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fanotify_mark=301, fcntl=72, open=2,
-        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, **_NEW_SYSCALLS), 0o40000),
+        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, getsockopt=55,
+        **_NEW_SYSCALLS), 0o40000),
     "aarch64": (0xC00000B7, dict(
         keyctl=219, add_key=217, request_key=218, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
         semctl=191, semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
@@ -240,7 +246,7 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
         io_getevents=4, io_pgetevents=292, readahead=213, fadvise64=223, sync=81, syncfs=267, mincore=232,
         migrate_pages=238, move_pages=239, sysinfo=179, flock=32, inotify_init1=26, inotify_add_watch=27,
         inotify_rm_watch=28, fanotify_mark=263, fcntl=25, openat=56, futex=98, madvise=233, preadv2=286,
-        pwritev2=287, setsockopt=208, **_NEW_SYSCALLS), 0o200000),
+        pwritev2=287, setsockopt=208, getsockopt=209, **_NEW_SYSCALLS), 0o200000),
 }
 SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 
@@ -297,8 +303,8 @@ def _seccomp_program():
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000), (load, 0, 0, 0)]  # wrong arch: kill
     checked = {  # system calls allowed or refused by an argument: their label (the section below)
         "futex": "futex", "fcntl": "fcntl", "openat": "openat", "open": "open", "madvise": "madvise",
-        "preadv2": "nowait", "pwritev2": "nowait", "setsockopt": "setsockopt", "unshare": "no user namespace",
-        "clone": "no user namespace", "socket": "socket", "socketpair": "socket"}
+        "preadv2": "nowait", "pwritev2": "nowait", "setsockopt": "setsockopt", "getsockopt": "getsockopt",
+        "unshare": "no user namespace", "clone": "no user namespace", "socket": "socket", "socketpair": "socket"}
     for name, label in checked.items():
         if name in nr:
             program += when(jeq, nr[name], label)
@@ -322,7 +328,11 @@ def _seccomp_program():
                                                   MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE)
                               for step in when(jeq, advice, "deny")], (ret, 0, 0, allow)],
         "nowait": [arg(5), *when(jset, RWF_NOWAIT, "deny"), (ret, 0, 0, allow)],  # a page-cache probe
-        "setsockopt": [arg(1), *when(jeq, SOL_SOCKET, "buffer"), (ret, 0, 0, allow)],
+        "setsockopt": [arg(1), *when(jeq, SOL_SOCKET, "buffer"), *when(jeq, IPPROTO_IPV6, "flow label"),
+                       (ret, 0, 0, allow)],
+        "flow label": [arg(2), *when(jeq, IPV6_FLOWLABEL_MGR, "deny"), (ret, 0, 0, allow)],
+        "getsockopt": [arg(1), *when(jeq, SOL_SOCKET, "cookie"), (ret, 0, 0, allow)],
+        "cookie": [arg(2), *when(jeq, SO_COOKIE, "deny"), *when(jeq, SO_NETNS_COOKIE, "deny"), (ret, 0, 0, allow)],
         "buffer": [arg(2), *[step for name in (SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE)
                              for step in when(jeq, name, "deny")], (ret, 0, 0, allow)],
         "no user namespace": [arg(0), *when(jset, CLONE_NEWUSER, "deny"), (ret, 0, 0, allow)],  # flags: first arg

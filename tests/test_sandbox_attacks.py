@@ -342,7 +342,6 @@ def test_4_a_call_cannot_fill_memory_through_shm_or_tmp(lacks):
     assert int(lines[1].split()[0]) <= TMP_MB and lines[1].split()[1] == "True", output
 
 
-
 # ---- (5) loopback network -----------------------------------------------------------------------------------------
 
 NETWORK_ROUTES = ["tcp", "tcp-any", "tcp6", "udp", "abstract", "path", "port scan", "loopback up", "interfaces",
@@ -1053,3 +1052,25 @@ def test_12_a_later_call_finds_no_timestamp_an_earlier_call_set_on_a_device(lack
         (touched, _), = sandbox.run([touch])  # on the second process: the first is busy until run() returns
         after = sandbox.run([read] * 2)
     assert touched == f"{errno.EROFS}\n" and after == [(before, "")] * 2, (before, touched, after)
+
+
+SOCKET_COUNTERS = {  # route: the request; each answers from (or moves) state the whole machine shares
+    "socket cookie": "socket.socket(socket.AF_UNIX).getsockopt(socket.SOL_SOCKET, 57, 8)",  # SO_COOKIE
+    "inet socket cookie": "socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).getsockopt(socket.SOL_SOCKET, 57, 8)",
+    "namespace cookie": "socket.socket(socket.AF_UNIX).getsockopt(socket.SOL_SOCKET, 71, 8)",  # SO_NETNS_COOKIE
+    "flow label count": ("socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).setsockopt(41, 32, socket.inet_pton("
+                         "socket.AF_INET6, '::1') + struct.pack('!I', 0x12345) + struct.pack('=BBHHHHI', 0, 255, 3, "
+                         "6, 6, 0, 0))"),  # IPV6_FLOWLABEL_MGR: the kernel counts flow labels machine-wide
+}
+
+
+@pytest.mark.parametrize("route", SOCKET_COUNTERS)
+def test_12_a_call_reads_no_machine_wide_socket_counter(lacks, route):
+    """A socket's cookie (SO_COOKIE) and its network namespace's (SO_NETNS_COOKIE) are numbers from counters the whole
+    machine advances (per CPU: an earlier call pinned to a CPU sets the low 12 bits a later call there reads), and
+    IPv6 flow labels are counted machine-wide (a concurrent call counts how many it can make before ENOBUFS): the
+    filter refuses all three."""
+    require(lacks, "seccomp")
+    code = (f"import socket, struct\ntry:\n    {SOCKET_COUNTERS[route]}\n    print('done')\n"
+            "except OSError as e:\n    print('refused', e.errno)")
+    assert run([code]) == [("refused 1\n", "")]
