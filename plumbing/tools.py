@@ -20,12 +20,11 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   data or secrets. Each imports `modules` and builds the calls' view once, then only forks: a call's code reaches its
   child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox process, so no
   child holds another call's data.
-- A call's child is the first process of fresh PID, mount, IPC and UTS namespaces, in its sandbox process's network
-  namespace (its calls run one at a time, and nothing of a call survives there: NETWORK): it sees no other process
-  (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin, /lib*, the Python
-  installation and five devices, with a private tmpfs of TMP_MB and TMP_FILES at /tmp (/dev/shm, /var/tmp and
-  /run/lock point to it) that the kernel frees with the call, whatever is in it. The checkout, the run folders,
-  $HOME, /etc, /proc and /sys are not there.
+- A call's child is the first process of fresh PID, mount, IPC, UTS and network namespaces (NETWORK): it sees no
+  other process (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin,
+  /lib*, the Python installation and five devices (read-only binds: their timestamps stay the machine's), with a
+  private tmpfs of TMP_MB and TMP_FILES at /tmp (/dev/shm, /var/tmp and /run/lock point to it) that the kernel frees
+  with the call, whatever is in it. The checkout, the run folders, $HOME, /etc, /proc and /sys are not there.
 - A root trainer's call runs as a user no other running call has (UID_BASE + its sandbox process's pid); a non-root
   trainer's calls run as its user, in a user namespace, without capabilities.
 - Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, `timeout` seconds of
@@ -653,19 +652,20 @@ def _probe(test):
     return os.waitpid(pid, 0)[1] == 0
 
 
-NETWORK = """A sandbox process's network namespace holds one interface, a loopback that is down, and its calls share it
-one at a time (a fresh one per call costs ~0.5 ms of CPU). Nothing of a call survives there: it has
-no capability to configure the namespace (the loopback stays down, so no connection is ever made and none lingers),
-and its sockets, abstract Unix socket names among them, close with its processes, which all end with the call."""
+NETWORK = """Each call's child enters a fresh network namespace: one interface, a loopback that is down, which it has no
+capability to bring up (no connection is ever made). A call's sockets, abstract Unix socket names among them, stay in
+its own namespace, whatever outlives its processes (Unix sockets in a cycle of descriptors in flight, freed only when
+the kernel's collector runs): the next call of the sandbox process starts in another. The sandbox process has a
+namespace of its own too (none of the machine's interfaces)."""
 
 
 class _World:
     """What a sandbox process sets up once, in this order, and what each of its calls then enters: a user namespace
     (for a non-root trainer: every other namespace needs one), a PID namespace of its own (it becomes its first
-    process), a mount namespace holding the calls' read-only view (its own root), a network namespace (NETWORK), the
-    call's user, and the system-call filter (its own too: its children inherit it). Each call's child is the first
-    process of a fresh PID namespace and enters fresh mount (its private /tmp), IPC and UTS namespaces. `lacks` names
-    what this machine does not allow (see LACKS)."""
+    process), a mount namespace holding the calls' read-only view (its own root), a network namespace, the call's
+    user, and the system-call filter (its own too: its children inherit it). Each call's child is the first process
+    of a fresh PID namespace and enters fresh mount (its private /tmp), IPC, UTS and network (NETWORK) namespaces.
+    `lacks` names what this machine does not allow (see LACKS)."""
 
     def __init__(self, folder, hidden, without, cgroups=None):
         self.root = os.geteuid() == 0
@@ -700,13 +700,15 @@ class _World:
         except OSError:
             self.lacks.append("view")
             _UMOUNT2(os.fsencode(self.calls), 2)  # a view half built is dropped (where it was mounted at all)
-        try:  # its own network namespace, which its calls share one at a time: see NETWORK
+        try:  # its own network namespace (none of the machine's interfaces), and a fresh one per call: see NETWORK
             if not caps or "net" in without:
                 raise OSError("disabled")
             _unshare(CLONE_NEWNET)
         except OSError:
             self.lacks.append("net")
-        for name, flag in (("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC)):
+        for name, flag in (("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC), ("net", CLONE_NEWNET)):
+            if name in self.lacks:
+                continue
             if caps and name not in without and _probe(lambda: _unshare(flag)):  # noqa: B023
                 self.flags |= flag
             else:
@@ -978,11 +980,11 @@ def _own_call(world, code, max_chars, timeout):
 
 def _child(world, code_fd, result_fd, folder, max_chars, timeout):
     """The child of one call, forked by its sandbox process as the first process of a fresh PID namespace. It dies
-    with its sandbox process, takes a session of its own, reads its code, enters fresh mount and IPC namespaces,
-    mounts its private /tmp (its working folder), becomes the call's user (a root trainer's: one no other running
-    call has; in a user namespace: no capability left), keeps no file but its result pipe, may start no process or
-    thread (RLIMIT_NPROC 0), has cpu_limit(timeout) s of CPU, runs the code with its output capped (under its sandbox
-    process's system-call filter), and writes (output, error) as JSON to its result pipe."""
+    with its sandbox process, takes a session of its own, reads its code, enters fresh mount, IPC, UTS and network
+    namespaces, mounts its private /tmp (its working folder), becomes the call's user (a root trainer's: one no other
+    running call has; in a user namespace: no capability left), keeps no file but its result pipe, may start no
+    process or thread (RLIMIT_NPROC 0), has cpu_limit(timeout) s of CPU, runs the code with its output capped (under
+    its sandbox process's system-call filter), and writes (output, error) as JSON to its result pipe."""
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if select.select([world.alive_r], [], [], 0)[0]:
