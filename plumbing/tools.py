@@ -52,8 +52,8 @@ lacks a mechanism (a non-root trainer without user namespaces, a container that 
 without a system-call table here, no cgroups it may make), the sandbox runs without it and `PythonSandbox.warning`
 says so in one line, which grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the
 machine's kernel (a kernel bug is a way out), read what their view holds, use CPU, memory, disk reads and time up to
-their limits, and can observe timing (the CPU's load, the page cache: docs/sandbox.md says what a policy could gain
-from it).
+their limits, and can observe timing (the CPU's load, the page cache) and the inode numbers of their pipes and sockets
+(a machine-wide counter): docs/sandbox.md says what a policy could gain from these.
 """
 
 import contextlib
