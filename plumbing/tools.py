@@ -20,12 +20,11 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   data or secrets. Each imports `modules` and builds the calls' view once, then only forks: a call's code reaches its
   child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox process, so no
   child holds another call's data.
-- A call's child is the first process of fresh PID, mount, IPC and UTS namespaces, in its sandbox process's network
-  namespace (its calls run one at a time, and nothing of a call survives there: NETWORK): it sees no other process
-  (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin, /lib*, the Python
-  installation and five devices, with a private tmpfs of TMP_MB and TMP_FILES at /tmp (/dev/shm, /var/tmp and
-  /run/lock point to it) that the kernel frees with the call, whatever is in it. The checkout, the run folders,
-  $HOME, /etc, /proc and /sys are not there.
+- A call's child is the first process of fresh PID, mount, IPC, UTS and network namespaces (NETWORK): it sees no
+  other process (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin,
+  /lib*, the Python installation and five devices (read-only binds: their timestamps stay the machine's), with a
+  private tmpfs of TMP_MB and TMP_FILES at /tmp (/dev/shm, /var/tmp and /run/lock point to it) that the kernel frees
+  with the call, whatever is in it. The checkout, the run folders, $HOME, /etc, /proc and /sys are not there.
 - A root trainer's call runs as a user no other running call has (UID_BASE + its sandbox process's pid); a non-root
   trainer's calls run as its user, in a user namespace, without capabilities.
 - Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, `timeout` seconds of
@@ -36,8 +35,9 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
   Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs; and the kernel state calls would otherwise share:
   disk I/O a call does not wait for and page-cache eviction (AIO, io_uring, readahead, fadvise, O_DIRECT, sync), the
-  machine-wide AIO quota and counters (sysinfo), locks, leases and notifications on the view's files, shared
-  futexes, page-cache probes, socket buffers above the default size.
+  machine-wide AIO quota and counters (sysinfo, socket cookies), locks, leases and notifications on the view's
+  files, shared futexes, page-cache probes, socket buffers above the default size, IPv6 flow labels (they outlive
+  their socket and are counted machine-wide).
 - Cgroups (a root trainer): each sandbox process's calls run in a memory cgroup of their own (memory_mb, copies of
   the sandbox process's pages, the call's /tmp and its kernel memory, socket buffers included: a call past it is
   killed, a MemoryError line), and in a pids cgroup (the call alone) and a blkio cgroup (IO_READ_BPS, IO_READ_IOPS a
@@ -52,8 +52,8 @@ lacks a mechanism (a non-root trainer without user namespaces, a container that 
 without a system-call table here, no cgroups it may make), the sandbox runs without it and `PythonSandbox.warning`
 says so in one line, which grpo_tools.py prints at start. What this is not: a virtual machine. The calls share the
 machine's kernel (a kernel bug is a way out), read what their view holds, use CPU, memory, disk reads and time up to
-their limits, and can observe timing (the CPU's load, the page cache: docs/sandbox.md says what a policy could gain
-from it).
+their limits, and can observe timing (the CPU's load, the page cache) and the inode numbers of their pipes and sockets
+(a machine-wide counter): docs/sandbox.md says what a policy could gain from these.
 """
 
 import contextlib
@@ -186,8 +186,10 @@ _CAPSET = _function("capset", ctypes.c_void_p, ctypes.c_void_p)
 # fadvise, O_DIRECT, sync), machine-wide quotas and counters (AIO contexts, sysinfo), file locks, leases and
 # notifications on the view's files (flock, fcntl's lock commands, inotify, fanotify, dnotify), shared futexes (a
 # futex without FUTEX_PRIVATE_FLAG keys on the file page, shared with every call that maps it), page-cache probes
-# (mincore, cachestat, RWF_NOWAIT), madvise's advice that evicts or fills file pages, and socket buffers beyond
-# the machine's default size (SO_SNDBUF, SO_RCVBUF).
+# (mincore, cachestat, RWF_NOWAIT), madvise's advice that evicts or fills file pages, socket buffers beyond the
+# machine's default size (SO_SNDBUF, SO_RCVBUF), socket cookies (SO_COOKIE, SO_NETNS_COOKIE: numbers from
+# machine-wide counters) and IPv6 flow labels (IPV6_FLOWLABEL_MGR: a label lingers seconds after its socket, and the
+# kernel counts them machine-wide).
 _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl",
            "semtimedop", "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
            "mq_timedreceive", "mq_notify", "mq_getsetattr", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
@@ -210,6 +212,8 @@ FUTEX_PRIVATE_FLAG, RWF_NOWAIT = 128, 8
 MADV_WILLNEED, MADV_REMOVE, MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE = (
     3, 9, 20, 21, 22, 23, 25)  # advice that reads file pages in the background or evicts them
 SOL_SOCKET, SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE = 1, 7, 8, 32, 33
+SO_COOKIE, SO_NETNS_COOKIE = 57, 71  # a socket's and its namespace's cookie: numbers from machine-wide counters
+IPPROTO_IPV6, IPV6_FLOWLABEL_MGR = 41, 32  # IPv6 flow labels: they linger after their socket, in a machine-wide count
 _NEW_SYSCALLS = dict(io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428, move_mount=429,
                      fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435, openat2=437,
                      pidfd_getfd=438, process_madvise=440, mount_setattr=442, memfd_secret=447, futex_waitv=449,
@@ -227,7 +231,8 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
         io_getevents=208, io_submit=209, io_cancel=210, io_pgetevents=333, readahead=187, fadvise64=221, sync=162,
         syncfs=306, mincore=27, migrate_pages=256, move_pages=279, sysinfo=99, flock=73, inotify_init=253,
         inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fanotify_mark=301, fcntl=72, open=2,
-        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, **_NEW_SYSCALLS), 0o40000),
+        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, getsockopt=55,
+        **_NEW_SYSCALLS), 0o40000),
     "aarch64": (0xC00000B7, dict(
         keyctl=219, add_key=217, request_key=218, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
         semctl=191, semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
@@ -240,7 +245,7 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
         io_getevents=4, io_pgetevents=292, readahead=213, fadvise64=223, sync=81, syncfs=267, mincore=232,
         migrate_pages=238, move_pages=239, sysinfo=179, flock=32, inotify_init1=26, inotify_add_watch=27,
         inotify_rm_watch=28, fanotify_mark=263, fcntl=25, openat=56, futex=98, madvise=233, preadv2=286,
-        pwritev2=287, setsockopt=208, **_NEW_SYSCALLS), 0o200000),
+        pwritev2=287, setsockopt=208, getsockopt=209, **_NEW_SYSCALLS), 0o200000),
 }
 SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 
@@ -297,8 +302,8 @@ def _seccomp_program():
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000), (load, 0, 0, 0)]  # wrong arch: kill
     checked = {  # system calls allowed or refused by an argument: their label (the section below)
         "futex": "futex", "fcntl": "fcntl", "openat": "openat", "open": "open", "madvise": "madvise",
-        "preadv2": "nowait", "pwritev2": "nowait", "setsockopt": "setsockopt", "unshare": "no user namespace",
-        "clone": "no user namespace", "socket": "socket", "socketpair": "socket"}
+        "preadv2": "nowait", "pwritev2": "nowait", "setsockopt": "setsockopt", "getsockopt": "getsockopt",
+        "unshare": "no user namespace", "clone": "no user namespace", "socket": "socket", "socketpair": "socket"}
     for name, label in checked.items():
         if name in nr:
             program += when(jeq, nr[name], label)
@@ -322,7 +327,11 @@ def _seccomp_program():
                                                   MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE)
                               for step in when(jeq, advice, "deny")], (ret, 0, 0, allow)],
         "nowait": [arg(5), *when(jset, RWF_NOWAIT, "deny"), (ret, 0, 0, allow)],  # a page-cache probe
-        "setsockopt": [arg(1), *when(jeq, SOL_SOCKET, "buffer"), (ret, 0, 0, allow)],
+        "setsockopt": [arg(1), *when(jeq, SOL_SOCKET, "buffer"), *when(jeq, IPPROTO_IPV6, "flow label"),
+                       (ret, 0, 0, allow)],
+        "flow label": [arg(2), *when(jeq, IPV6_FLOWLABEL_MGR, "deny"), (ret, 0, 0, allow)],
+        "getsockopt": [arg(1), *when(jeq, SOL_SOCKET, "cookie"), (ret, 0, 0, allow)],
+        "cookie": [arg(2), *when(jeq, SO_COOKIE, "deny"), *when(jeq, SO_NETNS_COOKIE, "deny"), (ret, 0, 0, allow)],
         "buffer": [arg(2), *[step for name in (SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE)
                              for step in when(jeq, name, "deny")], (ret, 0, 0, allow)],
         "no user namespace": [arg(0), *when(jset, CLONE_NEWUSER, "deny"), (ret, 0, 0, allow)],  # flags: first arg
@@ -468,7 +477,9 @@ def _build_view(mountpoint, hidden):
         if _inside(target, mountpoint):
             flags = MS_REMOUNT | MS_BIND | MS_NOSUID | sum(ms for st, ms in _LOCKED_FLAGS
                                                               if os.statvfs(target).f_flag & st)
-            _mount(None, target, None, flags | MS_NOEXEC if target in devices else flags | MS_RDONLY | MS_NODEV)
+            # the devices are the machine's own nodes: read-only binds (a write to /dev/null still works, a utime()
+            # that would set the node's timestamps for every call gets EROFS), and the only mounts that keep devices
+            _mount(None, target, None, flags | MS_RDONLY | (MS_NOEXEC if target in devices else MS_NODEV))
     os.chdir(mountpoint)
     _syscall("pivot_root", b".", b".")  # the view becomes this process's root, the machine's is stacked under it
     _check(_UMOUNT2(b".", 2), "umount2")  # MNT_DETACH: the machine's root is detached
@@ -641,19 +652,20 @@ def _probe(test):
     return os.waitpid(pid, 0)[1] == 0
 
 
-NETWORK = """A sandbox process's network namespace holds one interface, a loopback that is down, and its calls share it
-one at a time (a fresh one per call costs ~0.5 ms of CPU). Nothing of a call survives there: it has
-no capability to configure the namespace (the loopback stays down, so no connection is ever made and none lingers),
-and its sockets, abstract Unix socket names among them, close with its processes, which all end with the call."""
+NETWORK = """Each call's child enters a fresh network namespace: one interface, a loopback that is down, which it has no
+capability to bring up (no connection is ever made). A call's sockets, abstract Unix socket names among them, stay in
+its own namespace, whatever outlives its processes (Unix sockets in a cycle of descriptors in flight, freed only when
+the kernel's collector runs): the next call of the sandbox process starts in another. The sandbox process has a
+namespace of its own too (none of the machine's interfaces)."""
 
 
 class _World:
     """What a sandbox process sets up once, in this order, and what each of its calls then enters: a user namespace
     (for a non-root trainer: every other namespace needs one), a PID namespace of its own (it becomes its first
-    process), a mount namespace holding the calls' read-only view (its own root), a network namespace (NETWORK), the
-    call's user, and the system-call filter (its own too: its children inherit it). Each call's child is the first
-    process of a fresh PID namespace and enters fresh mount (its private /tmp), IPC and UTS namespaces. `lacks` names
-    what this machine does not allow (see LACKS)."""
+    process), a mount namespace holding the calls' read-only view (its own root), a network namespace, the call's
+    user, and the system-call filter (its own too: its children inherit it). Each call's child is the first process
+    of a fresh PID namespace and enters fresh mount (its private /tmp), IPC, UTS and network (NETWORK) namespaces.
+    `lacks` names what this machine does not allow (see LACKS)."""
 
     def __init__(self, folder, hidden, without, cgroups=None):
         self.root = os.geteuid() == 0
@@ -688,13 +700,15 @@ class _World:
         except OSError:
             self.lacks.append("view")
             _UMOUNT2(os.fsencode(self.calls), 2)  # a view half built is dropped (where it was mounted at all)
-        try:  # its own network namespace, which its calls share one at a time: see NETWORK
+        try:  # its own network namespace (none of the machine's interfaces), and a fresh one per call: see NETWORK
             if not caps or "net" in without:
                 raise OSError("disabled")
             _unshare(CLONE_NEWNET)
         except OSError:
             self.lacks.append("net")
-        for name, flag in (("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC)):
+        for name, flag in (("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC), ("net", CLONE_NEWNET)):
+            if name in self.lacks:
+                continue
             if caps and name not in without and _probe(lambda: _unshare(flag)):  # noqa: B023
                 self.flags |= flag
             else:
@@ -966,11 +980,11 @@ def _own_call(world, code, max_chars, timeout):
 
 def _child(world, code_fd, result_fd, folder, max_chars, timeout):
     """The child of one call, forked by its sandbox process as the first process of a fresh PID namespace. It dies
-    with its sandbox process, takes a session of its own, reads its code, enters fresh mount and IPC namespaces,
-    mounts its private /tmp (its working folder), becomes the call's user (a root trainer's: one no other running
-    call has; in a user namespace: no capability left), keeps no file but its result pipe, may start no process or
-    thread (RLIMIT_NPROC 0), has cpu_limit(timeout) s of CPU, runs the code with its output capped (under its sandbox
-    process's system-call filter), and writes (output, error) as JSON to its result pipe."""
+    with its sandbox process, takes a session of its own, reads its code, enters fresh mount, IPC, UTS and network
+    namespaces, mounts its private /tmp (its working folder), becomes the call's user (a root trainer's: one no other
+    running call has; in a user namespace: no capability left), keeps no file but its result pipe, may start no
+    process or thread (RLIMIT_NPROC 0), has cpu_limit(timeout) s of CPU, runs the code with its output capped (under
+    its sandbox process's system-call filter), and writes (output, error) as JSON to its result pipe."""
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if select.select([world.alive_r], [], [], 0)[0]:

@@ -8,6 +8,7 @@ the kernel's shared state (locks, inotify, futexes, the page cache, machine-wide
 plain text; and the same world under a non-root trainer."""
 
 import contextlib
+import errno
 import json
 import os
 import platform
@@ -341,6 +342,47 @@ def test_4_a_call_cannot_fill_memory_through_shm_or_tmp(lacks):
     assert int(lines[1].split()[0]) <= TMP_MB and lines[1].split()[1] == "True", output
 
 
+SOCKETS_LEFT = {  # route: (what an earlier call leaves, what the next call of its sandbox process reads: 8 bits)
+    "flow label": (  # IPv6 flow labels linger (here 120 s) after their socket and process are gone
+        "import socket, struct\nfor i in range(8):\n    if VALUE >> i & 1:\n"
+        "        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n"
+        "        s.setsockopt(41, 32, socket.inet_pton(socket.AF_INET6, '::1') + struct.pack('!I', 0x70000 + i)\n"
+        "                     + struct.pack('=BBHHHHI', 0, 255, 3, 120, 120, 0, 0))  # FLOWLABEL_MGR, CREATE|EXCL\n"
+        "print('left')",
+        "import errno, socket, struct\nvalue = 0\nfor i in range(8):\n"
+        "    s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n    try:\n"
+        "        s.setsockopt(41, 32, socket.inet_pton(socket.AF_INET6, '::1') + struct.pack('!I', 0x70000 + i)\n"
+        "                     + struct.pack('=BBHHHHI', 0, 255, 3, 6, 6, 0, 0))\n    except OSError as e:\n"
+        "        if e.errno == errno.EEXIST:\n            value |= 1 << i\nprint(value)"),
+    "unix socket cycle": (  # sockets sent over their own pair (SCM_RIGHTS) outlive their process until the kernel's
+        # lazy garbage collector runs, their abstract names bound
+        "import array, socket\nfor i in range(8):\n    if VALUE >> i & 1:\n"
+        "        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+        "        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "        listener.bind('\\0tinyrl-cycle-%d' % i)\n        listener.listen()\n"
+        "        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,\n"
+        "                            array.array('i', [a.fileno(), b.fileno(), listener.fileno()]))])\n"
+        "        for s in (a, b, listener):\n            s.detach()  # closed as the process ends\nprint('left')",
+        "import socket\nvalue = 0\nfor i in range(8):\n    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "    try:\n        s.bind('\\0tinyrl-cycle-%d' % i)\n    except OSError:\n        value |= 1 << i\n"
+        "    s.close()\nprint(value)"),
+}
+
+
+@pytest.mark.parametrize("route", SOCKETS_LEFT)
+def test_4_no_socket_of_a_call_outlives_it_in_the_next_calls_network(lacks, route):
+    """Sockets' kernel state that outlives the call's process: IPv6 flow labels (they linger after their socket; the
+    filter refuses IPV6_FLOWLABEL_MGR) and Unix sockets in a cycle of descriptors in flight (freed only when the
+    kernel's collector runs, their abstract names bound meanwhile; each call has a fresh network namespace). The next
+    call of the same sandbox process reads nothing, in three tries."""
+    require(lacks, "net", "seccomp")
+    leave, find = (code.replace("VALUE", "182") for code in SOCKETS_LEFT[route])
+    with PythonSandbox(num_workers=1, timeout=5.0) as sandbox:
+        for _ in range(3):
+            left, found = sandbox.run([leave]) + sandbox.run([find])
+            assert found[0].strip() != "182" and not found[1], (left, found)
+
+
 # ---- (5) loopback network -----------------------------------------------------------------------------------------
 
 NETWORK_ROUTES = ["tcp", "tcp-any", "tcp6", "udp", "abstract", "path", "port scan", "loopback up", "interfaces",
@@ -484,8 +526,8 @@ print(found + ['loopback up'] * (flags & 1))
 
 def test_5_nothing_of_a_call_stays_in_its_network(lacks):
     """A call's sockets (an abstract Unix socket, TCP and UDP ports) are gone for the next call of the same sandbox
-    process, which shares its network namespace, and were never seen by a concurrent call of another; the call
-    cannot bring the loopback up."""
+    process (a fresh network namespace) and were never seen by a concurrent call of another; the call cannot bring
+    the loopback up."""
     require(lacks, "net")
     with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
         left, during = sandbox.run([NET_LEAVE.replace("HOLD", "1"), NET_FIND.replace("WAIT", "0.5")])
@@ -1030,3 +1072,46 @@ def test_12_a_call_sees_no_machine_wide_memory_counter(lacks):
             "after = shared()\n"
             "print('refused' if before is None else 'moved' if after - before >= 8_000_000 else 'still')")
     assert run([code]) == [("refused\n", "")]
+
+
+
+DEVICE_TIMES = "import os\nprint(os.stat('/dev/DEVICE').st_mtime_ns)"
+TOUCH_DEVICE = ("import os\ntry:\n    os.utime('/dev/DEVICE')  # to now: write permission is enough\n"
+                "    print('touched')\nexcept OSError as e:\n    print(e.errno)")
+
+
+@pytest.mark.parametrize("device", ["null", "zero", "full", "random", "urandom"])
+def test_12_a_later_call_finds_no_timestamp_an_earlier_call_set_on_a_device(lacks, device):
+    """The view's devices are the machine's own nodes: a call that sets one's timestamps (utime to now needs only
+    write permission) would hand every later call on any sandbox process bits in st_mtime. The binds are read-only:
+    utime gets EROFS and a later call on the other sandbox process reads the time the device had before."""
+    require(lacks, "view")
+    read, touch = (code.replace("DEVICE", device) for code in (DEVICE_TIMES, TOUCH_DEVICE))
+    with PythonSandbox(num_workers=2, timeout=5.0) as sandbox:
+        (before, _), = sandbox.run([read])
+        time.sleep(0.01)
+        (touched, _), = sandbox.run([touch])  # on the second process: the first is busy until run() returns
+        after = sandbox.run([read] * 2)
+    assert touched == f"{errno.EROFS}\n" and after == [(before, "")] * 2, (before, touched, after)
+
+
+SOCKET_COUNTERS = {  # route: the request; each answers from (or moves) state the whole machine shares
+    "socket cookie": "socket.socket(socket.AF_UNIX).getsockopt(socket.SOL_SOCKET, 57, 8)",  # SO_COOKIE
+    "inet socket cookie": "socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).getsockopt(socket.SOL_SOCKET, 57, 8)",
+    "namespace cookie": "socket.socket(socket.AF_UNIX).getsockopt(socket.SOL_SOCKET, 71, 8)",  # SO_NETNS_COOKIE
+    "flow label count": ("socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).setsockopt(41, 32, socket.inet_pton("
+                         "socket.AF_INET6, '::1') + struct.pack('!I', 0x12345) + struct.pack('=BBHHHHI', 0, 255, 3, "
+                         "6, 6, 0, 0))"),  # IPV6_FLOWLABEL_MGR: the kernel counts flow labels machine-wide
+}
+
+
+@pytest.mark.parametrize("route", SOCKET_COUNTERS)
+def test_12_a_call_reads_no_machine_wide_socket_counter(lacks, route):
+    """A socket's cookie (SO_COOKIE) and its network namespace's (SO_NETNS_COOKIE) are numbers from counters the whole
+    machine advances (per CPU: an earlier call pinned to a CPU sets the low 12 bits a later call there reads), and
+    IPv6 flow labels are counted machine-wide (a concurrent call counts how many it can make before ENOBUFS): the
+    filter refuses all three."""
+    require(lacks, "seccomp")
+    code = (f"import socket, struct\ntry:\n    {SOCKET_COUNTERS[route]}\n    print('done')\n"
+            "except OSError as e:\n    print('refused', e.errno)")
+    assert run([code]) == [("refused 1\n", "")]
