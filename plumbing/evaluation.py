@@ -112,7 +112,7 @@ class Tracking:
 
     def evaluate(self, sample_texts, sequence_logprobs, tokenizer, accelerator, chunk_size=None):
         """The metrics above, reduced over processes; sample_texts and chunk_size as pass_rates takes them."""
-        world, result, start = accelerator.num_processes, {}, time.time()
+        world, result, began = accelerator.num_processes, {}, time.time()
         for name, rows, strict, scorer in self.prior:
             mine = rows[:len(rows) // world * world][accelerator.process_index::world]
             prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
@@ -129,14 +129,14 @@ class Tracking:
                            f"prior/{name}/pass@1_lenient": (totals[1] / n).item(),
                            f"prior/{name}/format_greedy": (totals[2] / n).item()})
         if self.prior:
-            result["time/eval_prior"], start = time.time() - start, time.time()
+            result["time/eval_prior"], began = time.time() - began, time.time()
         if self.kl is not None:
             logp, counts = self._logprobs(sequence_logprobs)
             totals = accelerator.reduce(torch.stack([(self.kl["base"].to(logp.device) - logp).sum(), counts.sum(),
                                                      logp.new_tensor(len(counts))]), reduction="sum")
             result.update({"eval/forward_kl": (totals[0] / totals[2]).item(),
                            "eval/forward_kl_token": (totals[0] / totals[1].clamp(min=1)).item(),
-                           "time/eval_kl": time.time() - start})
+                           "time/eval_kl": time.time() - began})
         return result
 
     def close(self):

@@ -118,6 +118,7 @@ def test_a_run_tracks_prior_tasks_and_the_forward_kl(tmp_path, script):
         assert 0 <= rows[0][f"prior/toy_mul/{key}"] <= 1 and 0 <= rows[0][f"prior/rg-chain_sum/{key}"] <= 1
     assert rows[0]["eval/forward_kl"] == rows[0]["eval/forward_kl"]  # a number (one step may leave it near 0)
     assert os.path.exists(tmp_path / f"{script[:-3]}__1" / "forward_kl_base.0.pt")
+    assert 0 < rows[0]["time/eval_prior"] < rows[0]["time/eval"] and 0 < rows[0]["time/eval_kl"] < rows[0]["time/eval"]
 
 
 @pytest.mark.slow
