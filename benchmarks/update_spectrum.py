@@ -13,8 +13,8 @@ with W = U S V^T and U_k, V_k its top-k singular vectors (--top_k):
   much the update seeks (> 1) or avoids (< 1) the principal directions;
 - rotation: the largest principal angle, in degrees, between the top-k left singular subspaces of W and W';
 - spectral drift: the mean over the top k of |s_i(W') - s_i(W)| / s_i(W);
-- bf16 changed: the fraction of entries whose bf16 value differs between W and W' (the paper's point: a float32
-  update smaller than half a bf16 ulp looks like no update at all in a bf16 checkpoint);
+- bf16 changed, float32 changed: the fraction of entries whose bf16 (float32) value differs between W and W' (the
+  paper's point: a float32 update smaller than half a bf16 ulp looks like no update at all in a bf16 checkpoint);
 - relative update: ||dW||_F / ||W||_F.
 Writes benchmarks/results/<name>.md (per run: the means over matrices, and per kind of matrix) and .png (per layer).
 """
@@ -32,7 +32,7 @@ from plumbing.models import resolve_model  # noqa: E402
 from toy_runs import pyplot, write_results  # noqa: E402
 
 COLUMNS = ["overlap", "random", "overlap / random", "rotation (deg)", "spectral drift", "bf16 changed",
-           "relative update"]
+           "float32 changed", "relative update"]
 
 
 def weights(model):
@@ -50,13 +50,13 @@ def layer_and_kind(name):
     return int(layer), kind
 
 
-def measures(base, tuned, k):
-    """The measures above for one matrix, in float64."""
+def measures(base, tuned, k, base_svd):
+    """The measures above for one matrix, in float64; base_svd: (U, S, V^T) of the base matrix."""
     w, w2 = base.double(), tuned.double()
     dw = w2 - w
     m, n = w.shape
     k = min(k, m, n)
-    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    u, s, vh = base_svd
     u2, s2, _ = torch.linalg.svd(w2, full_matrices=False)
     energy = dw.pow(2).sum()
     overlap = ((u[:, :k].T @ dw @ vh[:k].T).pow(2).sum() / energy).item() if energy > 0 else float("nan")
@@ -66,6 +66,7 @@ def measures(base, tuned, k):
             "rotation (deg)": torch.rad2deg(torch.arccos(cosines.min())).item(),
             "spectral drift": ((s2[:k] - s[:k]).abs() / s[:k]).mean().item(),
             "bf16 changed": (base.bfloat16() != tuned.bfloat16()).double().mean().item(),
+            "float32 changed": (base != tuned).double().mean().item(),
             "relative update": (energy.sqrt() / w.pow(2).sum().sqrt()).item()}
 
 
@@ -85,12 +86,13 @@ def main():
             raise SystemExit(f"error: --runs {item}: give LABEL=FOLDER, a model folder (a run's final/)")
         runs.append((label, folder))
     base = weights(args.base)
+    base_svd = {name: torch.linalg.svd(w.double(), full_matrices=False) for name, w in base.items()}  # once for all
     table, per_layer = {}, {}
     for label, folder in runs:
         tuned = weights(folder)
         if tuned.keys() != base.keys():
             raise SystemExit(f"error: {folder} is not a model of --base {args.base}'s shape")
-        rows = {name: measures(base[name], tuned[name], args.top_k) for name in base}
+        rows = {name: measures(base[name], tuned[name], args.top_k, base_svd[name]) for name in base}
         table[label] = rows
         per_layer[label] = {}
         for name, row in rows.items():

@@ -388,9 +388,9 @@ def test_forgetting_and_update_spectrum_run_on_the_toy(tmp_path):
     out = run_benchmark(["benchmarks/update_spectrum.py", "--base", "toy_model", "--top_k", "4", "--name", "spectrum",
                          "--runs", f"sft={runs}/forget/sft_lr5e-4__1/final", f"sft2={runs}/forget/sft_lr5e-4__2/final"],
                         tmp_path)  # (two GRPO steps of 2 groups may all have advantage 0: no update to measure)
-    rows = table_rows(out, 9)
+    rows = table_rows(out, 10)
     assert [row[:2] for row in rows[2:4]] == [["sft", "14"], ["sft2", "14"]]
     for row in rows[2:4] + rows[6:]:  # the means, then by kind of matrix
-        overlap, bf16_changed = float(row[2]), float(row[7])
-        assert 0 < overlap <= 1 and 0 < bf16_changed <= 1
+        overlap, bf16_changed, float32_changed = float(row[2]), float(row[7]), float(row[8])
+        assert 0 < overlap <= 1 and 0 < bf16_changed <= float32_changed <= 1
     assert (tmp_path / "spectrum.png").exists()
