@@ -100,7 +100,8 @@ def _runner(script, argv, folder):
                                                             "--nproc_per_node", str(world), "--master_port",
                                                             str(free_port())]
         flags = [*argv, "--output_dir", folder, "--exp_name", name, "--eval_every", "1", "--eval_size", str(world),
-                 "--eval_samples", "1", "--log_completions_every", "0", *extra]
+                 "--eval_samples", "1", "--prior_eval_size", str(world), "--kl_prompts", str(world),
+                 "--log_completions_every", "0", *extra]  # (the smallest evaluation every process takes part in)
         env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
         proc = subprocess.run([*launch, script, *flags], env={**env, **(environment or {})}, capture_output=True,
                               text=True)

@@ -9,7 +9,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts_per_step", "4", "--num_generations", "4", "--micro_batch_size", "8", "--eval_size", "16",
-         "--eval_samples", "2", "--log_completions_every", "1"]
+         "--eval_samples", "2", "--log_completions_every", "1", "--kl_prompts", "4"]  # (the forward KL on 4 prompts)
 
 
 def two_processes(port):

@@ -15,7 +15,7 @@ from plumbing import models
 TASK = "rg:chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=2"
 TINY = ["--model", "smollm2-135m", "--task", TASK, "--prompts_per_step", "2", "--num_generations", "2",
         "--max_new_tokens", "12", "--eval_size", "4", "--eval_samples", "1", "--learning_rate", "1e-5",
-        "--log_completions_every", "1", "--threads", "2"]
+        "--log_completions_every", "1", "--threads", "2", "--kl_prompts", "2"]
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def test_every_script_wires_tracking_into_its_evaluations():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["grpo.py", "grpo_tools.py", "sft.py"])  # the evaluation's two texts; no RL
+@pytest.mark.parametrize("script", ["grpo_tools.py", "sft.py"])  # (grpo.py: below) the evaluation's other text; no RL
 def test_a_run_tracks_prior_tasks_and_the_forward_kl(tmp_path, script):
     flags = ["--total_steps", "1", "--eval_every", "1", "--eval_size", "2", "--eval_samples", "1", "--prompts_per_step",
              "4", "--num_generations", "2", "--prior_tasks", "toy_mul", "rg:chain_sum", "--prior_eval_size", "2",
@@ -123,11 +123,17 @@ def test_a_run_tracks_prior_tasks_and_the_forward_kl(tmp_path, script):
 
 @pytest.mark.slow
 def test_tracking_does_not_change_what_a_run_trains(tmp_path):
+    """grpo.py with two prior tasks and the forward KL trains bit for bit as without them, and logs their keys."""
     common = ["--total_steps", "3", "--eval_every", "1", *SMALL]
     _, plain = run_grpo([*common, "--kl_prompts", "0", "--exp_name", "plain"], tmp_path)
-    _, tracked = run_grpo([*common, "--prior_tasks", "toy_mul", "--prior_eval_size", "4", "--kl_prompts", "4",
-                           "--exp_name", "tracked"], tmp_path)
+    _, tracked = run_grpo([*common, "--prior_tasks", "toy_mul", "rg:chain_sum", "--prior_eval_size", "4", "--kl_prompts",
+                           "4", "--exp_name", "tracked"], tmp_path)
     for key in ("charts/reward", "losses/policy", "policy/grad_norm", "eval/pass@1_greedy"):
         assert [r[key] for r in plain] == [r[key] for r in tracked], key
-    assert "eval/forward_kl" not in plain[0] and tracked[0]["eval/forward_kl"] >= -1 and "prior/toy_mul/pass@1_lenient" \
-        in tracked[0]
+    assert "eval/forward_kl" not in plain[0] and not any(key.startswith("prior/") for key in plain[0])
+    for row in tracked:
+        for key in ("pass@1_greedy", "pass@1_lenient", "format_greedy"):
+            assert 0 <= row[f"prior/toy_mul/{key}"] <= 1 and 0 <= row[f"prior/rg-chain_sum/{key}"] <= 1
+        assert row["eval/forward_kl"] == row["eval/forward_kl"] and 0 < row["time/eval_kl"] < row["time/eval"]
+    assert tracked[-1]["eval/forward_kl"] > 0  # three updates moved the policy
+    assert os.path.exists(tmp_path / "tracked__1" / "forward_kl_base.0.pt")
