@@ -119,6 +119,7 @@ def test_the_gap_alarm_warns_then_stops(tmp_path):
 
 SHARED_FOLDER_CHECK = """
 import json, os, sys
+import torch
 from plumbing.parallel import make_accelerator
 from plumbing.run import check_shared_folder
 
@@ -134,6 +135,8 @@ accelerator.wait_for_everyone()
 left = [name for _, _, names in os.walk(sys.argv[1]) for name in names]
 with open(os.path.join(sys.argv[2], f"rank{accelerator.process_index}.json"), "w") as f:  # not stdout: lines interleave
     json.dump({"rank": accelerator.process_index, "results": results, "left": left}, f)
+accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()  # gloo's threads stopped before the interpreter exits (else it may abort)
 """
 
 
