@@ -459,9 +459,8 @@ def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_t
 
 
 def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version, tracking):
-    """Held-out pass@1 (greedy and sampled), pass@k and the greedy format rate over every process's share of the
-    test rows (plumbing/evaluation.py), each process sampling its share through generate(), as the rollouts do; and
-    what else training changed (tracking: other tasks' accuracy, the forward KL to the initial policy)."""
+    """Held-out pass@1 (greedy and sampled), pass@k, the greedy format rate and the tracking's (plumbing/evaluation.py)
+    over every process's share of the test rows, each process sampling through generate(), as the rollouts do."""
 
     def sample_texts(prompts, n, temperature, top_p):
         samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
@@ -589,8 +588,7 @@ def main(args):
         engine, model, tokenizer, prompts, 1, args.temperature, 1.0, args.max_new_tokens, accelerator, 0)[0],
         functools.partial(sequence_logprobs, args, model, tokenizer, accelerator))
     if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
-        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, policy_version=0,
-                          tracking=tracking)
+        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, 0, tracking)
         write_eval_only(accelerator, run_dir, args.model, result)
         tracking.close()
         return scorer.close()
