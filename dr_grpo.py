@@ -19,15 +19,16 @@ same weight per token (grpo.py: 4x more per token for the short one). No KL (the
 also gives a truncated completion reward 0; here it keeps the reward its text earns.
 
 What `diff grpo.py dr_grpo.py` shows: compute_advantages (no std, so no --adv_eps), the loss's normalizer, and beta 0.
+
+Reading order, one step (blocks whose header says "infrastructure" are what a first read skips): main(), generate(),
+make_batch(), compute_advantages(), update_policy(), token_logprobs(), compute_loss().
 """
 
 import dataclasses
 import functools
-import os
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -35,19 +36,15 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 
 from plumbing.engine import HFDecoder, Sample, create_engine
-from plumbing.evaluation import pass_rates, start_tracking
-from plumbing.memory import memory_line, trainer_memory
-from plumbing.models import for_training, load_tokenizer, resolve_model
-from plumbing.parallel import clip_gradients, gradient_sync, make_accelerator, policy_weights, prepare_reference
-from plumbing.rollout_page import write_rollout_page
-from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_logprob_gap, check_model_config,
-                          check_model_and_task, check_positive, check_run_args, close_metrics, largest_divisor,
-                          load_checkpoint, log_step, open_metrics, quiet_libraries, resume_checkpoint, run_name,
-                          save_checkpoint, save_model, set_mmap_threshold, step_metrics, write_eval_only)
-from plumbing.selfcheck import self_check
+from plumbing.evaluation import Evaluation
+from plumbing.memory import print_memory_estimate
+from plumbing.models import output_layer
+from plumbing.parallel import clip_gradients, gradient_sync, load_models
+from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_positive, check_run_args,
+                          largest_divisor, peak_memory, start_run, step_times, tail_fraction)
 from utils.rewards import RewardScorer
 from utils.rl import engine_is_weights, group_centered, kl_k3
-from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped, load_splits
+from utils.tasks import TOY_MODEL_DIR, TOY_TASKS, is_toy_shaped
 
 
 @dataclass
@@ -158,108 +155,29 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
     return loss, means, {"policy/ratio_max": ratio[m].max()}  # every completion has at least one token
 
 
-# ---- Run setup ------------------------------------------------------------------------------------------------------
+# ---- Rollout: vLLM (colocated, sleep mode on GPU) or the HF decode loop ---------------------------------------------
 
 
-def resolve_args(args, num_processes):
-    """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
-    one line that says what to change, before any model loads. A GGUF model is converted here on first use."""
-    embedded = is_toy_shaped(args.model)
-    if args.learning_rate is None:
-        args.learning_rate = 5e-4 if embedded else 1e-6
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 48 if embedded else 1024
-    if args.micro_batch_size is None:
-        minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
-        args.micro_batch_size = largest_divisor(minibatch, 32 if embedded else 16)
-    if args.task in TOY_TASKS:
-        args.answer_format = "answer_tags"
-    check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
-                   "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
-    check_fraction(args, "top_p")  # (temperature > 0 above: the trainer divides its logits by it; greedy is for eval)
-    if 0 < args.tis_cap <= 1:
-        raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
-    check_run_args(args.run, args.total_steps)
-    check_model_and_task(args.model, args.task)
-    check_batch_layout(args.prompts_per_step, args.num_generations, args.num_minibatches, args.micro_batch_size,
-                       num_processes)
-    check_algorithm_args(args, num_processes)
-    args.model = resolve_model(args.model)
-    return args
+def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
+    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights),
+    each prompt's n together. A Sample is (token_ids: the completion's tokens, its stop token included when it has one;
+    logprobs: the engine's log-prob of each under the distribution it was drawn from, softmax(logits / temperature)
+    within the top-p nucleus, or None when greedy; truncated: it ran out of new tokens before a stop token).
+    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
+    if engine.llm is None:  # the HF decode loop (no vLLM, --engine hf): the policy's own forward with a KV cache
+        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
+                                                   accelerator), 0.0
+    from vllm import SamplingParams
 
-
-def run_folder(args):
-    """<output_dir>/<the run's name>: named after the script and the flags that differ from the defaults, so the same
-    command finds its folder again (--resume)."""
-    script = os.path.splitext(os.path.basename(__file__))[0]
-    return os.path.join(args.run.output_dir, run_name(script, args, args.exp_name, args.model, args.task, args.seed))
-
-
-class Setup(NamedTuple):
-    """What start_run sets up for main()."""
-    accelerator: object  # the processes and their devices (accelerate)
-    args: Args  # checked, with the model-dependent defaults resolved
-    run_dir: str  # the run's folder: metrics.jsonl, checkpoint/, final/
-    checkpoint: Optional[str]  # the checkpoint --resume continues; None: a new run
-    tokenizer: object
-    stop_ids: list  # token ids that end a completion
-    train_rows: list  # the task's problems: dicts with "prompt" (the chat-formatted text), "question", "answer"
-    test_rows: list
-
-
-def start_run(args):
-    """The accelerator, the checked arguments, the run's folder and the checkpoint to resume, the tokenizer and the
-    task's rows (a Setup); bad input is a one-line error before any model loads."""
-    from accelerate.utils import set_seed
-
-    torch.set_num_threads(args.run.threads)
-    set_mmap_threshold(args.run.malloc_mmap_threshold)  # if > 0, glibc hands what tensors free back to the system
-    quiet_libraries()
-    accelerator = make_accelerator(args.run.mixed_precision)  # bf16 on a GPU; DDP or FSDP2 over GPUs or CPUs
-    run_dir = run_folder(args)
-    try:
-        args = resolve_args(args, accelerator.num_processes)
-        check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens)  # reads its config
-        checkpoint = resume_checkpoint(accelerator, run_dir, args.run)
-        tokenizer, stop_ids = load_tokenizer(args.model)
-        train_rows, test_rows, summary = load_splits(
-            args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,
-            0 if args.run.eval_only else args.prompts_per_step,
-            accelerator.num_processes if args.run.eval_every or args.run.eval_only else 0)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
-    set_seed(args.seed, device_specific=True)
-    return Setup(accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows)
-
-
-# ---- Model ----------------------------------------------------------------------------------------------------------
-
-
-def load_model(model_name, tokenizer):
-    """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
-    weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
-    model.config.use_cache = False  # training passes build no KV cache (the HF decode loop asks for one itself)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
-    return model
-
-
-def load_models(args, tokenizer, accelerator, with_reference):
-    """The policy and its optimizer over the parameters that train, prepared (DDP or FSDP2), and the frozen reference
-    model (None without)."""
-    model = for_training(load_model(args.model, tokenizer), args.run, args.model)  # LoRA, gradient checkpointing
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=0.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.eval()  # dropout off: the ratio must be exactly 1 on the first mini-batch
-    ref_model = None
-    if with_reference and not args.run.eval_only:  # frozen: reloaded from --model on resume, never checkpointed
-        ref_model = prepare_reference(accelerator, model, lambda: load_model(args.model, tokenizer))  # (with LoRA:
-        # the policy itself, its adapters switched off)
-    return model, optimizer, ref_model
+    engine.wake("weights")  # GPU sleep mode: the engine's weights back on the GPU (a no-op without sleep mode)
+    sync_time = engine.push_weights(model, accelerator, policy_version)  # the policy's weights, if the engine's lag
+    engine.wake("kv_cache")
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                            stop_token_ids=engine.stop_ids)
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    engine.sleep()  # the GPU's memory back to the trainer
+    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
+                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
 
 
 # ---- Rollout batch --------------------------------------------------------------------------------------------------
@@ -323,14 +241,17 @@ def micro_batches(batch, size):
 # ---- Token log-probs ------------------------------------------------------------------------------------------------
 
 
-CHUNK_BYTES = 2**27  # a chunk's float32 logits: 128 MiB (220 positions of Qwen's 151,936-token vocabulary)
+def logprobs_from_logits(logits, tokens, temperature):
+    """log pi(t | context) = log_softmax(z / T)_t: the logits z (n, V) of n positions, divided by the sampling
+    temperature T (the engine sampled from softmax(z / T)), at the sampled tokens t (n,) -> (n,)."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def token_logprobs(model, batch, temperature, accelerator, with_entropy=False):
-    """log pi(token) at every completion position, (B, T), from logits divided by the sampling temperature, with
-    gradient when grad mode is on; and each position's entropy, (B, T) without gradient, when with_entropy (else
-    None). The model's own call (its wrappers run: DDP, FSDP2, LoRA, checkpointing) gives the last hidden states h,
-    (B, P + T, H); h at position P + t - 1 predicts completion token t."""
+    """log pi(token) at every completion position of a (micro-)batch, (B, T), with gradient when grad mode is on; and
+    each position's entropy, (B, T) without gradient, when with_entropy (else None). The model's own call (its wrappers
+    run: DDP, FSDP2, LoRA, checkpointing) gives the last hidden states h, (B, P + T, H); h at position P + t - 1
+    predicts completion token t, through the output layer (output_logprobs)."""
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # left-padded prompts: each row counts from 0
     hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
                    output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # (the logits of one position)
@@ -338,33 +259,41 @@ def token_logprobs(model, batch, temperature, accelerator, with_entropy=False):
                            temperature, accelerator, with_entropy)
 
 
+CHUNK_BYTES = 2**27  # a chunk's float32 logits: 128 MiB (220 positions of Qwen's 151,936-token vocabulary)
+
+
 def output_logprobs(model, hidden, tokens, temperature, accelerator, with_entropy=False):
-    """log pi(tokens), (B, T), and their entropies (or None) from the hidden states (B, T, H) that predict them. The
-    output layer W turns a chunk of positions at a time (as many as CHUNK_BYTES of float32 logits hold) into logits
-    z = W h / temperature, under torch.utils.checkpoint: a chunk's (positions, V) logits exist while it is computed,
-    and again in the backward pass; the batch's (B, T, V) never do (10 GB at B x T = 16K and Qwen's V = 151,936)."""
-    inner = getattr(model, "module", model)  # DDP holds the model in .module
-    head, softcap = inner.get_output_embeddings(), getattr(inner.config, "final_logit_softcapping", None)
+    """logprobs_from_logits (and token_entropy) of the hidden states (B, T, H) that predict `tokens` (B, T), a chunk of
+    positions at a time, each chunk under torch.utils.checkpoint: a chunk's (positions, V) logits exist while it is
+    computed and again in its backward pass; the batch's (B, T, V) never do (10 GB at B x T = 16K and Qwen's V =
+    151,936). The same values and gradients as one pass over every position (tests/test_logprobs.py)."""
+    logits, vocab_size = output_layer(model, accelerator)  # h (n, H) -> z (n, V), float32, as the model computes it
 
     def chunk(h, t):  # (n, H), (n,) -> log pi(t) (n,), entropy (n,) or None
-        with accelerator.autocast():  # the output layer's matmul in the dtype the model's own runs in (bf16 on a GPU);
-            # its weight, not the module: under FSDP2 a second call would run the module's sharding hooks again
-            z = torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
-        if softcap:  # Gemma 2 caps its logits: cap tanh(z / cap)
-            z = softcap * torch.tanh(z / softcap)
-        logp_all = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (x / 1.0 is x: skipped)
-        del z  # freed here: the chunk's forward holds at most two (positions, V) tensors, its backward three
-        logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
-        if not with_entropy:
-            return logp, None
-        with torch.no_grad():  # sum_v p_v (logsumexp(z) - z_v): accurate in float32 even when one p_v is near 1
-            return logp, -torch.linalg.vecdot(logp_all.exp(), logp_all)
+        z = logits(h)
+        return logprobs_from_logits(z, t, temperature), token_entropy(z, temperature) if with_entropy else None
 
-    (B, T, H), size = hidden.shape, max(1, CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
+    (B, T, H), size = hidden.shape, max(1, CHUNK_BYTES // (4 * vocab_size))  # positions per chunk
     chunks = [checkpoint(chunk, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, t) for h, t in
               zip(hidden.reshape(B * T, H).split(size), tokens.reshape(B * T).split(size))]
     logp = torch.cat([logp for logp, _ in chunks]).view(B, T)
     return logp, torch.cat([entropy for _, entropy in chunks]).view(B, T) if with_entropy else None
+
+
+@torch.no_grad()
+def token_entropy(logits, temperature):
+    """H = -sum_v p_v log p_v of p = softmax(z / T) at each position (n,), accurate to ~1e-7 relative where one p_v is
+    near 1 (the loss never takes it: a statistic). With d_v = (z_v - max z) / T and s = sum of e^d_v over every v but
+    the argmax (whose term is 1): log p_v = d_v - log1p(s) and H = log1p(s) - sum_v e^d_v d_v / (1 + s), two terms
+    >= 0, where logsumexp(z) - sum p_v z_v cancels; in float64, a quarter of the chunk's positions at a time (no more
+    memory than its float32 logits)."""
+    parts = []
+    for z in logits.split(max(1, len(logits) // 4)):
+        d = (z.double() - z.amax(-1, keepdim=True)) / temperature
+        e = d.exp().scatter_(-1, d.argmax(-1, keepdim=True), 0.0)
+        s = e.sum(-1)
+        parts.append((torch.log1p(s) - torch.linalg.vecdot(e, d) / (1 + s)).float())
+    return torch.cat(parts)
 
 
 @torch.no_grad()
@@ -379,124 +308,16 @@ def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, mic
     return logp
 
 
-# ---- Rollout engine: vLLM (colocated, sleep mode on GPU) or the HF decode loop --------------------------------------
-
-
-def push_weights(engine, model, accelerator):
-    """Copy the policy's full weights into vLLM, one gathered tensor at a time (FSDP2 DTensors are all-gathered)."""
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})
-    engine.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
-
-
-def wake_engine(engine, model, accelerator, policy_version):
-    """Before sampling: wake the engine (GPU sleep mode) and push the policy's weights if they lag it (policy_version
-    counts the training steps the weights include) -> seconds spent pushing. A caller that makes several engine calls
-    of one rollout wakes it once around them (grpo_tools.py's turns): every call then samples from the same weights."""
-    sync_time = 0.0
-    if engine.llm is None:
-        return sync_time
-    if engine.asleep:
-        torch.cuda.empty_cache()  # the trainer's cached blocks: without this the weights may find no room
-        engine.llm.wake_up(tags=["weights"])
-    if engine.weights_version != policy_version:  # the first call always pushes; never stale or dropped weights
-        start = time.time()
-        push_weights(engine, model, accelerator)
-        engine.weights_version, sync_time = policy_version, time.time() - start
-    if engine.asleep:
-        torch.cuda.empty_cache()  # hand the trainer's cached blocks to the KV cache
-        engine.llm.wake_up(tags=["kv_cache"])
-    return sync_time
-
-
-def sleep_engine(engine):
-    """After sampling: give the GPU memory back to the trainer (a level-2 sleep drops the weights too)."""
-    if engine.llm is not None and engine.asleep:
-        engine.llm.sleep(level=engine.sleep_level)
-        if engine.sleep_level == 2:
-            engine.weights_version = None
-
-
-def generate(engine, model, tokenizer, prompts, n, temperature, top_p, max_new_tokens, accelerator, policy_version):
-    """Sample n completions per prompt (token-id lists) -> (n * len(prompts) Samples, seconds spent pushing weights),
-    each prompt's n together. A Sample is (token_ids: the completion's tokens, its stop token included when it has one;
-    logprobs: the engine's log-prob of each under the distribution it was drawn from, softmax(logits / temperature)
-    within the top-p nucleus, or None when greedy; truncated: it ran out of new tokens before a stop token).
-    policy_version counts the training steps the policy's weights include: the engine is re-synced when it lags."""
-    if engine.llm is None:  # the HF decode loop (no vLLM, --engine hf): the policy's own forward with a KV cache
-        return HFDecoder(engine.stop_ids).generate(model, tokenizer, prompts, n, temperature, top_p, max_new_tokens,
-                                                   accelerator), 0.0
-    from vllm import SamplingParams
-
-    sync_time = wake_engine(engine, model, accelerator, policy_version)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                            stop_token_ids=engine.stop_ids)
-    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    sleep_engine(engine)
-    return [Sample(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if temperature > 0
-                   else None, o.finish_reason == "length") for out in outputs for o in out.outputs], sync_time
-
-
-# ---- Evaluation -----------------------------------------------------------------------------------------------------
-
-
-def evaluate(args, engine, model, tokenizer, scorer, rows, accelerator, policy_version, tracking):
-    """Held-out pass@1 (greedy and sampled), pass@k, the greedy format rate and the tracking's (plumbing/evaluation.py)
-    over every process's share of the test rows, each process sampling through generate(), as the rollouts do."""
-
-    def sample_texts(prompts, n, temperature, top_p):
-        samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
-                              accelerator, policy_version)
-        return tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
-
-    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (a greedy and a sampled call: one wake each)
-    chunk_size = 64 if engine.llm is None else None
-    return {**pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, args.run, chunk_size),
-            **tracking.evaluate(sample_texts, functools.partial(sequence_logprobs, args, model, tokenizer, accelerator),
-                                tokenizer, accelerator, chunk_size)}
-
-
-def sequence_logprobs(args, model, tokenizer, accelerator, prompts, samples):
-    """log pi(completion | prompt), summed over each completion's tokens, (B,), and their counts, (B,)."""
-    batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
-    logp = batched_logprobs(model, batch, args.temperature, accelerator, len(batch), args.micro_batch_size)
-    return (logp * batch.mask).sum(-1), batch.mask.sum(-1)
-
-
-# ---- Step statistics ------------------------------------------------------------------------------------------------
-
-
-class StepStats:
-    """A step's training statistics, kept by how processes combine them at the step's end (step_metrics: one
-    reduction, one host sync). add(): shares of a mean over every process, already divided by the global count, so the
-    shares add up to it (a clip fraction: clipped tokens / the mini-batch's tokens over all processes). mean(): one
-    value per process, averaged over processes (a gradient norm: the same on every process). max(): maxima."""
-
-    def __init__(self):
-        self.sums, self.means, self.maxes = {}, {}, {}
-
-    def add(self, values, scale=1.0):
-        for key, value in values.items():
-            self.sums[key] = self.sums.get(key, 0.0) + value * scale
-
-    def mean(self, values, scale=1.0):
-        for key, value in values.items():
-            self.means[key] = self.means.get(key, 0.0) + value * scale
-
-    def max(self, values):
-        for key, value in values.items():
-            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
-
-
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
 def update_policy(args, model, optimizer, batch, accelerator):
-    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> (the step's StepStats, the last
-    epoch's loss inputs: per micro-batch, a dict of its batch rows and what compute_loss took). pi_old is
-    batch.old_logp when the loop computed it (mu > 1), else this pass's own detached log-probs (the policy has not moved
-    since the rollout: a forward pass saved, as verl and TRL do); the first mini-batch comes in the rollout's order, so
-    its ratio is exactly 1. Normalizers count the mini-batch over its micro-batches and processes. A non-finite
-    gradient norm raises FloatingPointError before the optimizer step: NaN never reaches the weights."""
+    """mu = num_epochs * num_minibatches optimizer steps on one rollout batch -> (the step's StepStats, what the loss
+    took in the last epoch: per micro-batch, its rows and compute_loss's inputs, which the rollout page draws). pi_old
+    is batch.old_logp when the loop computed it (mu > 1), else this pass's own detached log-probs (the policy has not
+    moved since the rollout: a forward pass saved, as verl and TRL do); the first mini-batch comes in the rollout's
+    order, so its ratio is exactly 1. Normalizers count the mini-batch over its micro-batches and processes. A
+    non-finite gradient norm raises FloatingPointError before the optimizer step: NaN never reaches the weights."""
     stats, last_epoch = StepStats(), []
     size, mu = len(batch) // args.num_minibatches, args.num_epochs * args.num_minibatches
     batch_tokens = accelerator.reduce(batch.mask.sum(), reduction="sum").clamp(min=1)
@@ -512,15 +333,14 @@ def update_policy(args, model, optimizer, batch, accelerator):
                     logp, entropy = token_logprobs(model, mc, args.temperature, accelerator, with_entropy=True)
                     old_logp = logp.detach() if mc.old_logp is None else mc.old_logp
                     advantages = mc.advantages
-                    if args.tis_cap > 0:  # ---- engine/trainer mismatch: the policy gradient weighted by a bounded
-                        # pi_old / pi_engine (a weight w >= 0 on every token factors out of the clipped min)
+                    if args.tis_cap > 0:  # engine/trainer mismatch: a bounded weight w >= 0 on each token's advantage
                         w, bounded = engine_is_weights(old_logp, mc.engine_logp, mc.mask, args.tis_cap, args.tis_mode)
                         advantages = advantages * w
                         stats.add({"policy/tis_bounded_frac": bounded.sum() / num_tokens}, 1 / mu)
                     loss, means, maxes = compute_loss(logp, old_logp, mc.ref_logp, advantages, mc.mask,
                                                       (num_seqs, num_tokens), args)
                     accelerator.backward(loss * accelerator.num_processes)  # DDP/FSDP average; normalizers are global
-                if epoch == args.num_epochs - 1:  # what the loss took (--html_every draws it)
+                if epoch == args.num_epochs - 1:
                     last_epoch.append(dict(rows=rows[micro_rows], logp=logp.detach(), entropy=entropy,
                                            old_logp=old_logp, advantages=advantages, counts=(num_seqs, num_tokens)))
                 m = mc.mask.bool()  # statistics: the mean over the mu optimizer steps, the max over all
@@ -551,44 +371,34 @@ CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "charts/completion_length", 
 
 
 def main(args):
-    from tqdm import tqdm
-
-    if args.run.self_check:  # this configuration for a few steps in a temporary folder, checked through its outputs
-        raise SystemExit(self_check(__file__, sys.argv[1:], run_folder(args)))
-    setup = start_run(args)
-    accelerator, args, tokenizer, run_dir = setup.accelerator, setup.args, setup.tokenizer, setup.run_dir
+    run = start_run(__file__, args, resolve_args)  # --self_check; checked flags, processes, tokenizer, the task's rows
+    args, accelerator, tokenizer, G = run.args, run.accelerator, run.tokenizer, args.num_generations
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers, args.run.reward_timeout,
                           args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
-    model, optimizer, ref_model = load_models(args, tokenizer, accelerator, with_reference=args.beta > 0)
+    model, optimizer, ref_model = load_models(args.model, args.learning_rate, args.run, tokenizer, accelerator,
+                                              with_reference=args.beta > 0)  # AdamW; pi_ref frozen
     engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
-                           args.max_prompt_length + args.max_new_tokens, setup.stop_ids)
-    accelerator.print(memory_line(trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size,
-                                                 args.max_prompt_length + args.max_new_tokens, args.max_new_tokens),
-                                  args.run.vllm_gpu_memory_utilization if engine.asleep else None))
-    tracking = start_tracking(args, setup, tokenizer, accelerator, lambda prompts: generate(  # before any update
-        engine, model, tokenizer, prompts, 1, args.temperature, 1.0, args.max_new_tokens, accelerator, 0)[0],
-        functools.partial(sequence_logprobs, args, model, tokenizer, accelerator))
-    if args.run.eval_only:  # results go to their own file: a training run's metrics.jsonl is never touched
-        result = evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, 0, tracking)
-        write_eval_only(accelerator, run_dir, args.model, result)
-        tracking.close()
-        return scorer.close()
-    start_step = load_checkpoint(accelerator, setup.checkpoint) if setup.checkpoint else 1
-    metrics_file = open_metrics(accelerator, run_dir, args, start_step)
-    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
-    local_prompts, train_rows = args.prompts_per_step // world, setup.train_rows
-    minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's own pass follows
-    for step in tqdm(range(start_step, args.total_steps + 1), initial=start_step - 1, total=args.total_steps,
-                     disable=not accelerator.is_main_process, dynamic_ncols=True):
-        times = {"step": time.time()}
-        # 1. Rollout: this process's whole groups of the step's prompts, drawn from (seed, step) alone (a resumed run
-        #    draws what an uninterrupted one would), sampled from the policy after step - 1 updates.
-        picks = np.random.default_rng([args.seed, step]).choice(len(train_rows), args.prompts_per_step, replace=False)
-        rows = [train_rows[i] for i in picks[rank * local_prompts:(rank + 1) * local_prompts]]
+                           args.max_prompt_length + args.max_new_tokens, run.stop_ids)
+    print_memory_estimate(accelerator, engine, [model], [ref_model], args.micro_batch_size, args.max_prompt_length +
+                          args.max_new_tokens, args.max_new_tokens)
+    evaluation = start_evaluation(args, run, engine, model, scorer)  # before any update: pi_0's samples for the KL
+    if args.run.eval_only:
+        return run.eval_only(evaluation, scorer)
+    page_losses = {"weight": functools.partial(compute_loss, args=args),  # the rollout page's colours: each token's
+                   "pg_weight": functools.partial(compute_loss, args=dataclasses.replace(args, beta=0.0))}  # weight
+    rank, world = accelerator.process_index, accelerator.num_processes
+    local_prompts = args.prompts_per_step // world
+    minibatch_size = local_prompts * G // args.num_minibatches  # update_policy's, which pi_old's and pi_ref's follow
+    for step in run.steps():  # from the checkpoint's step with --resume
+        seconds = {"start": time.time()}
+        # 1. Rollout: this process's groups of the step's prompts, drawn from (seed, step) alone (so a resumed run too)
+        picks = np.random.default_rng([args.seed, step]).choice(len(run.train_rows), args.prompts_per_step,
+                                                                replace=False)
+        rows = [run.train_rows[i] for i in picks[rank * local_prompts:(rank + 1) * local_prompts]]
         prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-        samples, sync_time = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
-                                      args.max_new_tokens, accelerator, policy_version=step - 1)
-        times["rollout"] = time.time() - times["step"]
+        samples, seconds["weight_sync"] = generate(engine, model, tokenizer, prompts, G, args.temperature, args.top_p,
+                                                   args.max_new_tokens, accelerator, policy_version=step - 1)
+        seconds["rollout"] = time.time() - seconds["start"]
         # 2. Reward (checked in workers; the toy at submit) while the trainer computes pi_ref (and pi_old if mu > 1).
         texts = tokenizer.batch_decode([sample.token_ids for sample in samples], skip_special_tokens=True)
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
@@ -609,36 +419,116 @@ def main(args):
         try:
             stats, last_epoch = update_policy(args, model, optimizer, batch, accelerator)
         except FloatingPointError as e:
-            raise SystemExit(f"error: step {step}: {e}; stopped before the optimizer step, nothing saved from this "
-                             f"step (the last checkpoint in {run_dir} is intact)") from None
-        # 5. Log, evaluate, checkpoint.
-        metrics = step_metrics(accelerator, engine, stats, samples, accuracy, formats, rewards, failures, {
-            "step": time.time() - times["step"], "rollout": times["rollout"], "weight_sync": sync_time,
-            "score": scoring.waited, "score_hidden": scoring.hidden})
-        metrics.update({"step": step, "charts/reward_std": all_rewards.std().item()})
-        if args.run.eval_every and (step % args.run.eval_every == 0 or step == args.total_steps):
-            start = time.time()
-            metrics.update(evaluate(args, engine, model, tokenizer, scorer, setup.test_rows, accelerator, step,
-                                    tracking))
-            metrics["time/eval"] = time.time() - start
-        if accelerator.is_main_process:
-            log_step(metrics_file, metrics, args.run, args.total_steps, tqdm.write, CONSOLE_KEYS, [
-                (rows[i // G]["question"], texts[i], rows[i // G]["answer"], rewards[i])
-                for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
-            if args.run.html_every and step % args.run.html_every == 0:  # each token coloured by its weight in the loss
-                write_rollout_page(run_dir, step, tokenizer, batch, last_epoch, {
-                    "weight": functools.partial(compute_loss, args=args),
-                    "pg_weight": functools.partial(compute_loss, args=dataclasses.replace(args, beta=0.0))}, [
-                    r["prompt"] for r in rows for _ in range(G)], {"accuracy": accuracy, "format": formats,
-                    "reward": rewards}, [sample.truncated for sample in samples], G, args.run.html_groups)
-        check_logprob_gap(metrics, args.run, tqdm.write, run_dir)  # an engine on stale weights stops the run here
-        if (args.run.save_every and step % args.run.save_every == 0) or step == args.total_steps:
-            save_checkpoint(accelerator, model, tokenizer, run_dir, step)
-    save_model(accelerator, model, tokenizer, os.path.join(run_dir, "final"))
-    scorer.close()
-    tracking.close()
-    if accelerator.is_main_process:
-        close_metrics(metrics_file, args.run.track)
+            raise run.stopped(step, e) from None
+        # 5. Log (every process's statistics, combined), evaluate, checkpoint.
+        rollout_stats(stats, samples, accuracy, formats, rewards, failures)
+        stats.mean(step_times(seconds, scoring, samples))  # time/*, rollout/tokens_per_s (plumbing/run.py)
+        stats.max(peak_memory(engine))  # memory/*
+        metrics = {"step": step, **stats.reduce(accelerator), "charts/reward_std": all_rewards.std().item()}
+        metrics.update(evaluation(step))  # every --eval_every steps and at the end
+        run.page(step, batch, last_epoch, page_losses, samples, dict(accuracy=accuracy, format=formats, reward=rewards))
+        run.log(metrics, CONSOLE_KEYS, [r for r in rows for _ in range(G)], texts, rewards)  # a few examples too
+        run.save(step, model)  # every --save_every steps and at the end
+    run.finish(model, scorer, evaluation)  # final/: the trained policy
+
+
+# ---- Run setup (infrastructure: skip on a first read) ---------------------------------------------------------------
+
+
+def resolve_args(args, num_processes):
+    """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
+    one line that says what to change, before any model loads (plumbing/run.py start_run calls it)."""
+    embedded = is_toy_shaped(args.model)
+    if args.learning_rate is None:
+        args.learning_rate = 5e-4 if embedded else 1e-6
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 48 if embedded else 1024
+    if args.micro_batch_size is None:
+        minibatch = args.prompts_per_step // num_processes * args.num_generations // max(1, args.num_minibatches)
+        args.micro_batch_size = largest_divisor(minibatch, 32 if embedded else 16)
+    if args.task in TOY_TASKS:
+        args.answer_format = "answer_tags"
+    check_positive(args, "num_generations", "prompts_per_step", "micro_batch_size", "num_minibatches", "num_epochs",
+                   "learning_rate", "max_new_tokens", "max_prompt_length", "temperature", "max_grad_norm")
+    check_fraction(args, "top_p")  # (temperature > 0 above: the trainer divides its logits by it; greedy is for eval)
+    if 0 < args.tis_cap <= 1:
+        raise ValueError(f"--tis_cap {args.tis_cap}: must be > 1 (a bound on pi_old / pi_engine; 0 turns it off)")
+    check_run_args(args.run, args.total_steps, args.model, args.task)
+    check_batch_layout(args.prompts_per_step, args.num_generations, args.num_minibatches, args.micro_batch_size,
+                       num_processes)
+    check_algorithm_args(args, num_processes)
+    return args
+
+
+# ---- Evaluation (infrastructure: skip on a first read) --------------------------------------------------------------
+
+
+def start_evaluation(args, run, engine, model, scorer):
+    """What main() calls at each step (plumbing/evaluation.py Evaluation): held-out pass@1 greedy and sampled, pass@k,
+    the greedy format rate, and what training changed beyond its task (--prior_tasks; the forward KL to pi_0, whose
+    samples it draws now), every process sampling through generate() as the rollouts do."""
+    tokenizer, accelerator = run.tokenizer, run.accelerator
+
+    def sample(prompts, n, temperature, top_p, policy_version):  # -> texts, Samples, masks (None: every token's)
+        samples, _ = generate(engine, model, tokenizer, prompts, n, temperature, top_p, args.max_new_tokens,
+                              accelerator, policy_version)
+        return tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True), samples, None
+
+    def sequence_logprobs(prompts, samples, masks):  # log pi(completion | prompt), summed over its tokens; token counts
+        batch = make_batch(prompts, samples, tokenizer.pad_token_id, accelerator.device)
+        logp = batched_logprobs(model, batch, args.temperature, accelerator, len(batch), args.micro_batch_size)
+        return (logp * batch.mask).sum(-1), batch.mask.sum(-1)
+
+    # the HF decode loop takes 64 prompts at a time; vLLM batches itself (a greedy and a sampled call: one wake each)
+    return Evaluation(run, scorer, sample, sequence_logprobs, chunk_size=64 if engine.llm is None else None)
+
+
+# ---- Step statistics (infrastructure: what each logged key is, and how processes combine it) ------------------------
+
+
+class StepStats:
+    """A step's statistics, kept by how processes combine them (docs/metrics.md has every key). add(): shares of a mean
+    over every process, already divided by the global count, so the shares add up to it (a clip fraction: clipped
+    tokens / the mini-batch's tokens over all processes), or counts to total. mean(): one value per process, averaged
+    over processes (a gradient norm: the same on every process). max(): maxima."""
+
+    def __init__(self):
+        self.sums, self.means, self.maxes = {}, {}, {}
+
+    def add(self, values, scale=1.0):
+        for key, value in values.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value * scale
+
+    def mean(self, values, scale=1.0):
+        for key, value in values.items():
+            self.means[key] = self.means.get(key, 0.0) + value * scale
+
+    def max(self, values):
+        for key, value in values.items():
+            self.maxes[key] = torch.maximum(self.maxes[key], value) if key in self.maxes else value
+
+    def reduce(self, accelerator):
+        """{key: value} over every process, in one gather: one host sync."""
+        how = {**{k: "sum" for k in self.sums}, **{k: "mean" for k in self.means}, **{k: "max" for k in self.maxes}}
+        values = {**self.sums, **self.means, **self.maxes}
+        stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=accelerator.device).reshape(())
+                               for k in how])
+        gathered = accelerator.gather(stacked[None])  # (processes, keys)
+        return dict(zip(how, torch.stack([getattr(gathered[:, i], h)() for i, h in enumerate(how.values())]).tolist()))
+
+
+def rollout_stats(stats, samples, accuracy, formats, rewards, failures):
+    """The rollout's statistics, averaged over processes: the reward and its parts, completion lengths (EOS included),
+    the fraction cut at --max_new_tokens and with no answer to check, the long tail's idle share of the decode steps;
+    answers that could not be checked, by kind, counted over processes."""
+    lengths = torch.tensor([float(len(sample.token_ids)) for sample in samples])
+    stats.mean({"charts/reward": rewards.mean(), "charts/accuracy": np.mean(accuracy),
+                "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
+                "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
+                "charts/no_answer_frac": failures["no_answer"] / len(samples),
+                "rollout/tail_frac": tail_fraction(lengths.tolist())})
+    stats.max({"charts/completion_length_max": lengths.max()})
+    stats.add({f"charts/reward_{kind}": n for kind, n in failures.items() if kind != "no_answer"})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ itself under another setting, e.g. bf16 autocast on the CPU against float32:
 Each round runs `python SCRIPT FLAGS` in the baseline checkout, then in this one (the same Python), one at a time.
 Per run: the median over steps (the first --skip left out) of time/step, time/train and time/rollout,
 memory/rss_gb_max at the end, and the last step's reward and accuracy (a setting that learns differently shows
-there); then the median over rounds of each, and this checkout's over the baseline's. Writes benchmarks/results/<name>.md (TINYRL_RESULTS: another folder).
+there); then the median over rounds of each, and this checkout's over the baseline's. Writes
+benchmarks/results/<name>.md (TINYRL_RESULTS: another folder).
 """
 
 import argparse
@@ -74,7 +75,8 @@ def main():
              f"{' '.join(flags)}`; "
              f"baseline: {commit or checkouts['baseline']}; runs one at a time, the checkouts alternating; 1-min load "
              f"average at the end {os.getloadavg()[0]:.2f}.", "",
-             "| side | round | " + " | ".join(f"{k} s" for k in KEYS) + " | peak RSS GB | last reward | last accuracy |",
+             "| side | round | " + " | ".join(f"{k} s" for k in KEYS)
+             + " | peak RSS GB | last reward | last accuracy |",
              "|---|---|---|---|---|---|---|---|"]
     for side, rs in runs.items():
         lines += [f"| {side} | {r + 1} | " + " | ".join(f"{run[k]:.3f}" for k in KEYS) + f" | {run['rss_gb']:.2f} | "

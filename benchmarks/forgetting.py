@@ -130,7 +130,8 @@ def main():
                 points.append((name, row["eval/pass@1_greedy"], base_prior - p, row.get("eval/forward_kl", np.nan)))
             lines.append(f"| {name} | {lr} | {step} | {fmt([r['eval/pass@1_greedy'] for r in rows])} | " +
                          " | ".join(fmt([r[k] for r in rows]) for k in keys) + f" | {fmt(prior)} | "
-                         f"{fmt([base_prior - p for p in prior])} | {fmt([r.get('eval/forward_kl', np.nan) for r in rows])}"
+                         f"{fmt([base_prior - p for p in prior])} | "
+                         f"{fmt([r.get('eval/forward_kl', np.nan) for r in rows])}"
                          f" | {np.mean([w for _, w in runs]) / 60:.1f} |")
     lines += ["", "Forgetting against the forward KL over every evaluation point (Pearson r, points):", ""]
     for label, chosen in [("all methods", points), *[(name, [p for p in points if p[0] == name])

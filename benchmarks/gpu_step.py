@@ -1,6 +1,7 @@
 """GRPO steps at a real model's shape: per-phase times, peak memory, what the vLLM engine's sleep frees, and the
 engine/trainer log-prob gap, with the colocated vLLM engine (sleep mode) and with the HF engine (plumbing/engine.py's
-decode loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from plumbing/engine.py).
+decode loop), using grpo.py's own functions (generate, batched_logprobs, update_policy; the engine from
+plumbing/engine.py).
 
 The steps cycle through the vLLM sleep levels (--sleep_levels: 2 drops the weights, 1 keeps them in CPU memory) and
 then the betas (--betas: 0 skips the reference pass); each step reports its phases' times and CUDA peaks (rollout,
@@ -50,6 +51,8 @@ import grpo_async  # noqa: E402
 from grpo import make_batch  # noqa: E402
 from plumbing.engine import create_engine  # noqa: E402
 from plumbing.memory import trainer_memory  # noqa: E402
+from plumbing.models import load_model, load_tokenizer  # noqa: E402
+from plumbing.parallel import load_models, make_accelerator  # noqa: E402
 from plumbing.run import RunArgs, load_checkpoint, quiet_libraries, save_checkpoint  # noqa: E402
 
 SHAPES = {  # Qwen2.5-0.5B's config; tiny: the same architecture at a size a CPU runs in seconds
@@ -112,9 +115,10 @@ def run_engine(engine_name, opts, model_dir):
                                        max_prompt_length=opts.prompt_len, num_generations=opts.generations,
                                        prompts_per_step=opts.prompts, micro_batch_size=opts.micro_batch_size,
                                        learning_rate=1e-6, beta=max(opts.betas), run=run), 1)
-    accelerator = grpo.make_accelerator()  # bf16 on a GPU; FSDP2 under configs/fsdp2.yaml (--fsdp)
-    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model, optimizer, ref_model = grpo.load_models(args, tokenizer, accelerator, with_reference=max(opts.betas) > 0)
+    accelerator = make_accelerator()  # bf16 on a GPU; FSDP2 under configs/fsdp2.yaml (--fsdp)
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    model, optimizer, ref_model = load_models(args.model, args.learning_rate, args.run, tokenizer, accelerator,
+                                              with_reference=max(opts.betas) > 0)
     seq_len = opts.prompt_len + opts.new_tokens
     estimate = trainer_memory(accelerator, [model], [ref_model], args.micro_batch_size, seq_len, opts.new_tokens)
     result = {"engine": engine_name, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
@@ -131,7 +135,7 @@ def run_engine(engine_name, opts, model_dir):
         engine.llm.wake_up()
         result["memory_engine_awake"] = gpu_memory_gb()
         start = time.time()
-        grpo.sleep_engine(engine)
+        engine.sleep()
         result["sleep_s"] = time.time() - start
         result["memory_engine_slept"] = gpu_memory_gb()
     generator = torch.Generator().manual_seed(1)
@@ -203,8 +207,8 @@ def run_tail(engine_name, opts, model_dir):
                                                    prompts_per_step=opts.prompts,
                                                    micro_batch_size=opts.micro_batch_size, run=run), 1)
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision="bf16" if on_gpu else "no")
-    tokenizer, _ = grpo.load_tokenizer(args.model)
-    model = accelerator.prepare(grpo.load_model(args.model, tokenizer).eval())
+    tokenizer, _ = load_tokenizer(args.model)
+    model = accelerator.prepare(load_model(args.model, tokenizer).eval())
     vocab = SHAPES[opts.shape]["vocab_size"]
     stop_ids = list(range(3, 3 + max(1, round(opts.stop_frac * vocab))))  # not the special ids 0-2
     engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)

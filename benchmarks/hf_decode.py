@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+from plumbing.models import load_model, load_tokenizer  # noqa: E402
 from plumbing.engine import HFDecoder  # noqa: E402
 from plumbing.run import RunArgs  # noqa: E402
 
@@ -35,8 +36,8 @@ def main():
 
     args = grpo.resolve_args(grpo.Args(model=opts.model, run=RunArgs(engine="hf")), 1)
     accelerator = Accelerator(cpu=True)
-    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args.model, tokenizer).eval()
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    model = load_model(args.model, tokenizer).eval()
     prompts = [tokenizer(f"{i % 100:02d}+{(7 * i) % 100:02d}=", add_special_tokens=False)["input_ids"]
                for i in range(opts.prompts)]
     config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=opts.new_tokens, use_cache=True,

@@ -12,9 +12,9 @@ Two ways to give the engine the policy after each optimizer step:
 Each way runs in its own process (the engine as the scripts create it on a CPU: external_launcher, float32, eager, a
 256 MB KV cache, prefix caching). Per version (an update of the adapters, B moved by noise so the adapters matter):
 sync, then sample --prompts prompts x --n completions of up to --max_tokens tokens at temperature 1, timed; the
-trainer then computes the log-probs of the sampled tokens with the adapted model (grpo.token_logprobs) and the gap to the
-engine's log-probs is taken, as `rollout/logprob_gap_*` is in a run. "gap if the adapters were ignored" is the same gap
-against the base model: how far off an engine that missed the update would be. Medians over versions 2.. (the first
+trainer then computes the log-probs of the sampled tokens with the adapted model (grpo.token_logprobs) and the gap to
+the engine's log-probs is taken, as `rollout/logprob_gap_*` is in a run. "gap if the adapters were ignored" is the same
+gap against the base model: how far off an engine that missed the update would be. Medians over versions 2.. (the first
 pays one-time set-up); ratios against the merged push, measured in this invocation.
 """
 

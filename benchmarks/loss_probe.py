@@ -34,6 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from grpo import make_batch, micro_batches  # noqa: E402
+from plumbing.models import for_training, load_model  # noqa: E402
+from plumbing.parallel import make_accelerator  # noqa: E402
 from plumbing.engine import Engine  # noqa: E402
 from utils.rl import kl_k1, masked_whiten  # noqa: E402
 from plumbing.rollout_page import token_weights  # noqa: E402
@@ -129,14 +131,14 @@ def collect_rollout(args, prompts_count, moves, seed):
     from utils.tasks import load_splits
 
     grpo = load_script("grpo.py")
-    accelerator = grpo.make_accelerator()
+    accelerator = make_accelerator()
     set_seed(seed)
     tokenizer, stop_ids = load_tokenizer(args.model)
     train_rows, _, _ = load_splits(args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length,
                                    1, prompts_count, 0)
-    policy = grpo.for_training(grpo.load_model(args.model, tokenizer), args.run, args.model)
+    policy = for_training(load_model(args.model, tokenizer), args.run, args.model)
     policy.eval()  # dropout off, as in the scripts
-    ref = grpo.load_model(args.model, tokenizer)
+    ref = load_model(args.model, tokenizer)
     picks = np.random.default_rng([seed, 0]).choice(len(train_rows), prompts_count, replace=False)
     rows = [train_rows[i] for i in picks]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+from plumbing.models import load_model, load_tokenizer  # noqa: E402
 from plumbing.engine import create_engine  # noqa: E402
 from utils.rewards import RewardScorer  # noqa: E402
 from plumbing.run import RunArgs  # noqa: E402
@@ -40,8 +41,8 @@ def main():
     args = grpo.resolve_args(grpo.Args(model=opts.model, task=opts.task, answer_format=opts.answer_format,
                                        max_new_tokens=opts.max_new_tokens, run=RunArgs(engine="hf")), 1)
     accelerator = Accelerator(cpu=True)
-    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args.model, tokenizer).eval()
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    model = load_model(args.model, tokenizer).eval()
     engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
     rows = load_task(args.task, "test", tokenizer, args.answer_format, args.max_prompt_length)[0][:opts.problems]
     lines = [f"\n`python benchmarks/prompt_start.py --model {opts.model} --task {opts.task} --problems {opts.problems}"

@@ -18,12 +18,12 @@ README's, after any flags given) runs grpo.py with the README's SmolLM2 flags (o
   libjemalloc2, libtcmalloc-minimal4), checked to be loaded before the runs start (with --malloc_mmap_threshold 0,
   which only sets glibc's malloc).
 The peak is the training process's `memory/rss_gb_max` at the last step (ru_maxrss, before the final checkpoint); the
-step time is the median of the steps after the first (the .jsonl holds the rollout's and the training phase's too); an allocator must not change what is computed, so each run's
-step metrics (reward, completion length, losses, gradient norm) are compared with glibc default's, step by step.
-Ratios are against full fine-tuning under the same allocator and against glibc's default for the same training,
-measured in the same invocation; a rank's allocators are started together (--jobs as many as --allocators) so that
-they see the same load. --reuse reads the finished runs of an earlier invocation back from the run folder (the same
-command and allocator, saved in its benchmark.json).
+step time is the median of the steps after the first (the .jsonl holds the rollout's and the training phase's too); an
+allocator must not change what is computed, so each run's step metrics (reward, completion length, losses, gradient
+norm) are compared with glibc default's, step by step. Ratios are against full fine-tuning under the same allocator and
+against glibc's default for the same training, measured in the same invocation; a rank's allocators are started together
+(--jobs as many as --allocators) so that they see the same load. --reuse reads the finished runs of an earlier
+invocation back from the run folder (the same command and allocator, saved in its benchmark.json).
 """
 
 import argparse

@@ -34,7 +34,8 @@ def stats(run_dir):
                                                                 for r in rows[-20:]])), 2))
     if "critic/explained_variance" in rows[0]:
         out.update(explained_variance_max=round(max(r["critic/explained_variance"] for r in rows), 3),
-                   value_loss_first_last=(round(rows[0]["critic/value_loss"], 3), round(rows[-1]["critic/value_loss"], 3)))
+                   value_loss_first_last=(round(rows[0]["critic/value_loss"], 3),
+                                          round(rows[-1]["critic/value_loss"], 3)))
     if "policy/entropy_threshold" in rows[0]:
         kept = [r["policy/entropy_kept_frac"] for r in rows]
         out.update(kept_frac_range=(round(min(kept), 3), round(max(kept), 3)),

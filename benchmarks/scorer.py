@@ -55,7 +55,8 @@ def math_answers(rng):
     a, b = rng.randint(1, 40), rng.randint(41, 90)
     k, m = rng.randint(2, 9), rng.choice([2, 3, 5, 6, 7])
     return rng.choice([
-        (f"\\frac{{{a}}}{{{b}}}", [f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"\\frac{{{b}}}{{{a}}}"]),
+        (f"\\frac{{{a}}}{{{b}}}", [f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}",
+                                   f"\\frac{{{b}}}{{{a}}}"]),
         (f"{k}\\sqrt{{{m}}}", [f"{k}\\sqrt{{{m}}}", f"\\sqrt{{{k * k * m}}}", f"{m}\\sqrt{{{k}}}"]),
         (f"({a}, {b})", [f"({a}, {b})", f"({a},{b})", f"({b}, {a})"]),
         (f"x^2 + {2 * a}x + {a * a}", [f"(x+{a})^2", f"x^2+{2 * a}x+{a * a}", f"x^2+{a * a}"]),

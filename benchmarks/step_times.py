@@ -4,8 +4,9 @@
 
 Prints a markdown table: median seconds per phase (rollout includes the weight sync), each phase's share of the step,
 rollout tokens/s, the median of the steps' mean and longest completion lengths (the decode loop runs as many steps as
-the longest), the largest engine/trainer log-prob gap and peak memory. The first --skip steps (engine warm-up, compilation) are left out. The
-first run is the baseline of the `step vs first` column, so compare runs measured on the same machine.
+the longest), the largest engine/trainer log-prob gap and peak memory. The first --skip steps (engine warm-up,
+compilation) are left out. The first run is the baseline of the `step vs first` column, so compare runs measured on the
+same machine.
 """
 
 import argparse

@@ -78,7 +78,8 @@ def main():
         summary.append((seed, before, rows[-1], wall, *tool_seconds))
     lines += ["", "Held-out greedy evaluation (`eval/problems` problems), before training and at the end:", "",
               "| seed | problems | pass@1 before | pass@1 end | calls per completion before | end | wall s (with "
-              "evaluation) | median s of tool calls a step | median s a step |", "|---|---|---|---|---|---|---|---|---|"]
+              "evaluation) | median s of tool calls a step | median s a step |",
+              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {seed} | {end['eval/problems']} | {before['eval/pass@1_greedy']:.3f} | "
               f"{end['eval/pass@1_greedy']:.3f} | {before['eval/tool_calls_greedy']:.3f} | "
               f"{end['eval/tool_calls_greedy']:.3f} | {wall:.0f} | {tools:.2f} | {step:.2f} |"

@@ -6,9 +6,9 @@
     python benchmarks/toy_runs.py --variants grpo dapo gspo cispo aspo reinforce_pp reinforce_pp_baseline ppo --jobs 2
     python benchmarks/toy_runs.py --variants ppo ppo_groups ppo_256_prompts ppo_1_epoch --steps 80 --jobs 2
 
-Runs the algorithm scripts in subprocesses (one CPU thread each; --jobs N at a time), reads each run's metrics.jsonl, and writes
-benchmarks/results/<name>.md (+ .png when matplotlib is installed). Timings are medians over steps, compared as
-ratios against the first variant measured in the same invocation.
+Runs the algorithm scripts in subprocesses (one CPU thread each; --jobs N at a time), reads each run's metrics.jsonl,
+and writes benchmarks/results/<name>.md (+ .png when matplotlib is installed). Timings are medians over steps, compared
+as ratios against the first variant measured in the same invocation.
 """
 
 import argparse
@@ -24,7 +24,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {  # name: (script, flags)
-    "grpo": ("grpo.py", []),  # the paper: group z-score, seq-mean-token-mean, k3 KL in the loss (beta 0.04)
+    "grpo": ("grpo.py", []),  # the paper: group z-score, per-completion token mean, k3 KL in the loss (beta 0.04)
     "dr_grpo": ("dr_grpo.py", []),  # unnormalized group-centered advantages, token sums over a constant, no KL
     "lite_ppo": ("lite_ppo.py", []),  # group-mean, batch-std advantages, token-mean
     "grpo_kl": ("grpo_kl.py", []),  # the KL term's gradient made unbiased (k2 in the loss)
@@ -164,8 +164,10 @@ def main():
 
     base = [t for t in table if t["variant"] == args.variants[0]]
     lines = [f"# {name}", "", f"Command: `python benchmarks/toy_runs.py --variants {' '.join(args.variants)} --seeds "
-             f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}{' --name ' + args.name if args.name else ''}"
-             f"{' --reuse' if args.reuse else ''}{f' --target {args.target}' if args.target != 0.9 else ''}{' -- ' + ' '.join(extra) if extra else ''}`", "",
+             f"{' '.join(map(str, args.seeds))} --steps {args.steps} --jobs {args.jobs}"
+             f"{' --name ' + args.name if args.name else ''}{' --reuse' if args.reuse else ''}"
+             f"{f' --target {args.target}' if args.target != 0.9 else ''}{' -- ' + ' '.join(extra) if extra else ''}`",
+             "",
              "| variant | seed | reward first 5 | reward last 5 | accuracy last 5 | format last 5 | length first 5 | "
              f"length last 5 | greedy pass@1 end | sampled pass@1 end | max logprob gap | median step s | wall s | "
              f"s to reward {args.target} |", "|" + "---|" * 14]

@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 from grpo import make_batch  # noqa: E402
+from plumbing.models import load_model, load_tokenizer  # noqa: E402
 from plumbing.engine import HFDecoder  # noqa: E402
 from plumbing.run import RunArgs  # noqa: E402
 from utils.tasks import toy_problems  # noqa: E402
@@ -82,8 +83,8 @@ def main():
 
     args = grpo.resolve_args(grpo.Args(model=opts.model, run=RunArgs(engine="hf")), 1)
     accelerator = Accelerator(cpu=True)
-    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model, ref_model = grpo.load_model(args.model, tokenizer), grpo.load_model(args.model, tokenizer)
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    model, ref_model = load_model(args.model, tokenizer), load_model(args.model, tokenizer)
     rows = toy_problems("train")[:opts.prompts or args.prompts_per_step]
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     torch.manual_seed(0)

@@ -65,7 +65,7 @@ def settings(a):
         ("KL", f"beta {a.beta:g}, k3 in the loss", f"beta {a.beta:g}, use_bias_correction_kl=False (k3; True is "
          "k3_is's gradient)"),
         ("clipping", f"clip_eps {a.clip_eps:g}", f"epsilon {a.clip_eps:g}, epsilon_high {a.clip_eps:g}"),
-        ("loss aggregation", "seq-mean-token-mean", "loss_type grpo"),
+        ("loss aggregation", "per-completion token mean, then the mean", "loss_type grpo"),
         ("advantages", "group z-score, unbiased std, --adv_eps 1e-4", "scale_rewards group (unbiased std + 1e-4, "
          "fixed)"),
         ("reward", f"accuracy + {a.format_reward_weight:g} format (utils/rewards.py)", "two reward functions over the "
@@ -231,8 +231,10 @@ def main():
         return [fn(r["rows"]) for r in results if r["side"] == side]
 
     summary = {side: {"step_s": median(per_seed(side, lambda rows: np.median([r["time/step"] for r in rows]))),
-                      "reward_first5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[:5]]))),
-                      "reward_last5": median(per_seed(side, lambda rows: np.mean([r["charts/reward"] for r in rows[-5:]]))),
+                      "reward_first5": median(per_seed(side, lambda rows: np.mean(
+                          [r["charts/reward"] for r in rows[:5]]))),
+                      "reward_last5": median(per_seed(side, lambda rows: np.mean(
+                          [r["charts/reward"] for r in rows[-5:]]))),
                       "step_at": median(per_seed(side, lambda rows: step_reaching(rows, levels[-1]))),
                       **{level: median(per_seed(side, lambda rows: seconds_to(rows, level))) for level in levels}}
                for side in ("grpo", "trl")}

@@ -1,17 +1,18 @@
-"""The rollout engines a script samples from: how the colocated vLLM engine is started (what a script does with it,
-wake it, push the policy's weights, generate, put it back to sleep, is written in the script: its generate() under the
-"Rollout engine" header), and the HF decode loop, for CPUs and runs without vLLM: a loop over the policy's own forward
-pass and KV cache that samples as vLLM does (tempered top-p nucleus, the log-prob of each drawn token under that
-distribution). Both give a script the same Samples."""
+"""The rollout engines a script samples from: the colocated vLLM engine, its start and the details of each step a
+script's generate() takes with it (wake, push the policy's weights if they lag, generate, sleep: the sequence is
+written in the script, each step one call to Engine), and the HF decode loop, for CPUs and runs without vLLM: a loop
+over the policy's own forward pass and KV cache that samples as vLLM does (tempered top-p nucleus, the log-prob of
+each drawn token under that distribution). Both give a script the same Samples."""
 
 import importlib.util
 import os
+import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-from plumbing.parallel import free_port
+from plumbing.parallel import free_port, policy_weights
 
 
 @dataclass
@@ -23,6 +24,36 @@ class Engine:
     sleep_level: int = 2
     weights_version: Optional[int] = None  # training steps the engine's weights include (None: none, or dropped)
     cuda_bytes: int = 0  # what torch's CUDA allocator counts for the engine, asleep too (the trainer's figures less it)
+    gpu_fraction: Optional[float] = None  # the GPU's share the engine takes awake (--vllm_gpu_memory_utilization)
+
+    def wake(self, tags):
+        """GPU sleep mode: wake the engine's "weights" (before a push), then its "kv_cache" (before sampling), each
+        after handing it the trainer's cached blocks (without that the weights, then the KV cache, may find no room).
+        A no-op without sleep mode (a CPU)."""
+        if self.asleep:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=[tags])
+
+    def push_weights(self, model, accelerator, policy_version):
+        """The policy's full weights into the engine, one gathered tensor at a time (FSDP2 DTensors are all-gathered),
+        when the engine's lag the policy's (policy_version: the training steps they include; the first call always
+        pushes: never stale or dropped weights) -> seconds spent pushing (0.0 when none was needed, and for the HF
+        decode loop, which samples from the policy itself)."""
+        if self.llm is None or self.weights_version == policy_version:
+            return 0.0
+        start = time.time()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})
+        self.llm.reset_prefix_cache()  # stale prefix-cache entries would serve the old weights' KV
+        self.weights_version = policy_version
+        return time.time() - start
+
+    def sleep(self):
+        """After sampling, in GPU sleep mode: the engine's memory back to the trainer (at --vllm_sleep_level 2 its
+        weights are dropped too: the next rollout pushes them again)."""
+        if self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            if self.sleep_level == 2:
+                self.weights_version = None
 
 
 def uses_vllm(run):
@@ -46,16 +77,18 @@ def create_engine(run, model, seed, max_model_len, stop_ids):
 
     on_gpu = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if on_gpu else 0
+    # the CPU build: no sleep mode, a small explicit KV cache, no torch.compile (its start takes longer than a CPU
+    # run's generation saves: benchmarks/vllm_start.py)
     extra = {"gpu_memory_utilization": run.vllm_gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {
-        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}  # CPU build: no sleep mode, small explicit KV
-    # cache, no torch.compile (its start takes longer than a CPU run's generation saves: benchmarks/vllm_start.py)
+        "kv_cache_memory_bytes": 256 * 2**20, "enforce_eager": True}
     llm = LLM(model, distributed_executor_backend="external_launcher", seed=seed, dtype="bfloat16" if on_gpu else
               "float32", max_model_len=max_model_len, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
               **extra)
     if on_gpu:  # sleep unmaps the engine's pages but keeps its tensors: torch's allocator still counts them, and
         llm.sleep(level=run.vllm_sleep_level)  # every max_memory_allocated() after this includes them
     held = torch.cuda.memory_allocated() - before if on_gpu else 0
-    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=run.vllm_sleep_level, cuda_bytes=held)
+    return Engine(stop_ids, llm, asleep=on_gpu, sleep_level=run.vllm_sleep_level, cuda_bytes=held,
+                  gpu_fraction=run.vllm_gpu_memory_utilization if on_gpu else None)
 
 
 class Sample(NamedTuple):

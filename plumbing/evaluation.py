@@ -1,5 +1,6 @@
-"""Held-out accuracy of the policy: pass@1 greedy and sampled, pass@k and the greedy format rate, over processes; and
-what training changed beyond its task (Tracking): other tasks' accuracy and the forward KL to the initial policy."""
+"""A script's held-out evaluation (Evaluation, which its main() calls at every step): the policy's pass@1 greedy and
+sampled, pass@k and the greedy format rate over processes (pass_rates); and what training changed beyond its task
+(Tracking): other tasks' accuracy and the forward KL to the initial policy."""
 
 import os
 import re
@@ -81,8 +82,8 @@ class Tracking:
 
     def start_kl(self, path, resumed, rows, tokenizer, sample, sequence_logprobs, accelerator):
         """This process's share of the first --kl_prompts test rows, a completion of each sampled from the initial
-        policy by sample(prompts) -> Samples (or (Samples, masks): per completion a 0/1 list, 1 on the policy's own
-        tokens), and its log-probs (sequence_logprobs(prompts, samples[, masks]) -> (sums, token counts)), saved at
+        policy by sample(prompts) -> (Samples, masks: per completion a 0/1 list, 1 on the policy's own tokens, or
+        None), and its log-probs (sequence_logprobs(prompts, samples, masks) -> (sums, token counts)), saved at
         `path`; a resumed run reads them there (pi_0 is gone), or, if any process finds none, measures no KL."""
         world = accelerator.num_processes
         mine = rows[:min(self.run.kl_prompts, len(rows)) // world * world][accelerator.process_index::world]
@@ -95,10 +96,11 @@ class Tracking:
                                   "without them)")
         elif mine:
             prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
+            # the run's own random stream is left as it was: with or without the KL, a run trains alike (a vLLM
+            # engine's stream is its own, and moves)
             with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
-                drawn = sample(prompts)  # the run's own random stream is left as it was: with or without the KL, a
-                # run trains alike (a vLLM engine's stream is its own, and moves)
-            samples, masks = drawn if isinstance(drawn, tuple) else (drawn, None)  # masks: grpo_tools.py's model tokens
+                drawn = sample(prompts)
+            samples, masks = drawn  # masks: grpo_tools.py's, 1 on the model's own tokens (tool output is context)
             self.kl = {"prompts": prompts, "completions": [s.token_ids for s in samples], "masks": masks}
             self.kl["base"] = self._logprobs(sequence_logprobs)[0].cpu()
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -107,8 +109,7 @@ class Tracking:
 
     def _logprobs(self, sequence_logprobs):
         samples = [Sample(ids, None, False) for ids in self.kl["completions"]]
-        masks = () if self.kl["masks"] is None else (self.kl["masks"],)
-        return sequence_logprobs(self.kl["prompts"], samples, *masks)
+        return sequence_logprobs(self.kl["prompts"], samples, self.kl["masks"])
 
     def evaluate(self, sample_texts, sequence_logprobs, tokenizer, accelerator, chunk_size=None):
         """The metrics above, reduced over processes; sample_texts and chunk_size as pass_rates takes them."""
@@ -144,15 +145,52 @@ class Tracking:
             scorer.close()
 
 
-def start_tracking(args, setup, tokenizer, accelerator, sample, sequence_logprobs):
-    """What a script's evaluate() measures beyond the training task: --prior_tasks, and the forward KL to the initial
-    policy, whose completions sample(prompts) draws here, before any update (a resumed run reads them from its
-    folder); nothing when the run does not evaluate. args: the script's Args; setup: its Setup."""
-    evaluates = bool(args.run.eval_every or args.run.eval_only)
-    tracking = Tracking(args.run.prior_tasks if evaluates else (), args.run, tokenizer, args.answer_format,
-                        args.instruction, args.max_prompt_length)
-    if evaluates and args.run.kl_prompts and not args.run.eval_only:  # (an evaluation of pi_0 alone has KL 0)
-        tracking.start_kl(os.path.join(setup.run_dir, f"forward_kl_base.{accelerator.process_index}.pt"),
-                          setup.checkpoint is not None, setup.test_rows, tokenizer, sample, sequence_logprobs,
-                          accelerator)
-    return tracking
+class Evaluation:
+    """A script's held-out evaluation, which its main() calls at every step: every --eval_every steps and at the end
+    (else {}), pass_rates on the training task's test rows and the Tracking's metrics, with time/eval, the seconds it
+    took. The script gives its own sampling and log-probs, so the evaluation samples as its rollouts do:
+    sample(prompts, n, temperature, top_p, policy_version) -> (texts, Samples, masks: per completion 1 on the policy's
+    own tokens, or None[, {name: a sum over these completions}]: a script's own statistics, logged as eval/<name>_greedy
+    per greedy completion of the training task: grpo_tools.py's tool calls); sequence_logprobs(prompts, samples, masks)
+    -> (log pi summed over each completion, token counts); chunk_size: prompts per sample call (None: all at once).
+    Made before any update: the forward KL's samples of pi_0 are drawn here (a resumed run reads them from its
+    folder)."""
+
+    def __init__(self, run, scorer, sample, sequence_logprobs, chunk_size=None):
+        args, accelerator = run.args, run.accelerator
+        self.run, self.scorer, self.sample, self.sequence_logprobs = run, scorer, sample, sequence_logprobs
+        self.chunk_size = chunk_size
+        evaluates = bool(args.run.eval_every or args.run.eval_only)
+        self.tracking = Tracking(args.run.prior_tasks if evaluates else (), args.run, run.tokenizer, args.answer_format,
+                                 args.instruction, args.max_prompt_length)
+        if evaluates and args.run.kl_prompts and not args.run.eval_only:  # (an evaluation of pi_0 alone has KL 0)
+            self.tracking.start_kl(os.path.join(run.run_dir, f"forward_kl_base.{accelerator.process_index}.pt"),
+                                   run.checkpoint is not None, run.test_rows, run.tokenizer,
+                                   lambda prompts: sample(prompts, 1, args.temperature, 1.0, 0)[1:3],
+                                   sequence_logprobs, accelerator)
+
+    def __call__(self, step, always=False):
+        """The evaluation's metrics after `step` updates when it is due (or always), else {}."""
+        flags, accelerator = self.run.args.run, self.run.accelerator
+        due = flags.eval_every and (step % flags.eval_every == 0 or step == self.run.args.total_steps)
+        if not (due or always):
+            return {}
+        start, sums = time.time(), {}
+
+        def texts(prompts, n, temperature, top_p, own=True):  # own: the training task's (pass_rates), not a prior one
+            drawn = self.sample(prompts, n, temperature, top_p, step)
+            for name, value in (drawn[3] if own and temperature == 0 and len(drawn) > 3 else {}).items():
+                sums[name] = sums.get(name, 0.0) + value
+            return drawn[0]
+
+        metrics = pass_rates(texts, self.scorer, self.run.tokenizer, self.run.test_rows, accelerator, flags,
+                             self.chunk_size)
+        for name, value in sorted(sums.items()):  # (every process has greedy completions: as many problems each)
+            total = accelerator.reduce(torch.tensor(float(value), device=accelerator.device), reduction="sum")
+            metrics[f"eval/{name}_greedy"] = total.item() / max(1, metrics["eval/problems"])
+        metrics.update(self.tracking.evaluate(lambda *a: texts(*a, own=False), self.sequence_logprobs,
+                                              self.run.tokenizer, accelerator, self.chunk_size))
+        return {**metrics, "time/eval": time.time() - start}
+
+    def close(self):
+        self.tracking.close()

@@ -108,3 +108,10 @@ def trainer_memory(accelerator, trained_models, frozen_models, micro_batch, seq_
     return estimate(policy.config, sum(trainable), max(trainable), fixed, micro_batch, seq_len, completion_len,
                     checkpointing, accelerator.mixed_precision == "bf16", accelerator.num_processes,
                     accelerator.is_fsdp2, torch.cuda.is_available(), head_trained)
+
+
+def print_memory_estimate(accelerator, engine, trained_models, frozen_models, micro_batch, seq_len, completion_len):
+    """Print the run's memory_line at start: trainer_memory for its models and lengths, beside the engine's share of
+    the GPU when it sleeps there."""
+    accelerator.print(memory_line(trainer_memory(accelerator, trained_models, frozen_models, micro_batch, seq_len,
+                                                 completion_len), engine.gpu_fraction if engine.asleep else None))

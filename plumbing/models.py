@@ -100,6 +100,36 @@ def convert_gguf(path, folder):
     os.replace(tmp, folder)
 
 
+def load_model(model_name, tokenizer):
+    """The policy, or the frozen reference, with float32 weights (bf16 autocast on GPU: a 1e-6 update vanishes in bf16
+    weights). The reference too: stored in bf16 it would not compute as the policy it starts as (KL > 0 at step 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    model.config.use_cache = False  # training passes build no KV cache (the HF decode loop asks for one itself)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id  # saved with final/: generate() there pads with it
+    return model
+
+
+def output_layer(model, accelerator):
+    """The model's output layer as the trainer's log-prob pass calls it -> (logits(h): the last hidden states (n, H)
+    to float32 logits z (n, V), V). As the model's own forward computes them: the matmul in the dtype the model runs
+    in (its autocast: bf16 on a GPU), Gemma 2's soft cap (cap tanh(z / cap)) applied; through the layer's weight, not
+    the module (under FSDP2 a second call of the module would run its sharding hooks again)."""
+    import torch
+
+    inner = getattr(model, "module", model)  # DDP holds the model in .module
+    head, softcap = inner.get_output_embeddings(), getattr(inner.config, "final_logit_softcapping", None)
+
+    def logits(h):
+        with accelerator.autocast():
+            z = torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+        return softcap * torch.tanh(z / softcap) if softcap else z
+
+    return logits, head.weight.shape[0]
+
+
 def for_training(model, run, model_name, trainable=()):
     """The model as the run trains it: with LoRA adapters when --lora_rank > 0 (plumbing/lora.py; `trainable`: modules
     that train whole beside them), and gradient checkpointing as --gradient_checkpointing says."""

@@ -9,7 +9,7 @@ import socket
 import torch
 
 from plumbing.lora import AdaptersOff, is_lora, merged_weights, save_adapters_only
-from plumbing.models import plain_name
+from plumbing.models import for_training, load_model, plain_name
 
 BREAK_PUSH_VARIABLE = "TINYRL_BREAK_WEIGHT_PUSH"  # "1": policy_weights adds noise (the self-check's broken push)
 VLLM_SUPPORTED = ((0, 26), (0, 40))  # [lowest, first unsupported): the releases whose push API the engine code uses
@@ -31,8 +31,8 @@ def make_accelerator(precision="auto"):
     if precision == "auto":
         precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "bf16" if on_gpu else "no")
     accelerator = Accelerator(cpu=not on_gpu, mixed_precision=precision,
-                              # DDP: the gradients are views into its all-reduce buckets,
-                              kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])  # not a copy
+                              # DDP: the gradients are views into its all-reduce buckets, not a copy
+                              kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     state = accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP") == "true":
         state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* variables, as on a GPU
@@ -62,6 +62,23 @@ def prepare_reference(accelerator, policy, load):
     model = accelerator.prepare_model(model, evaluation_mode=True)
     accelerator._models.remove(model)  # prepare_model registered it for save_state
     return model
+
+
+def load_models(model_name, learning_rate, run, tokenizer, accelerator, with_reference):
+    """The policy (float32 weights; LoRA and gradient checkpointing as the run's flags say) and its AdamW optimizer
+    over the parameters that train, prepared (DDP or FSDP2; the policy in eval mode: dropout off, so the ratio is
+    exactly 1 on the first mini-batch), and the frozen reference pi_ref, the initial policy, when with_reference (and
+    not --eval_only; else None): reloaded from the model on resume, never checkpointed; under LoRA the policy itself
+    with its adapters switched off (prepare_reference)."""
+    model = for_training(load_model(model_name, tokenizer), run, model_name)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate,
+                                  weight_decay=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.eval()
+    ref_model = None
+    if with_reference and not run.eval_only:
+        ref_model = prepare_reference(accelerator, model, lambda: load_model(model_name, tokenizer))
+    return model, optimizer, ref_model
 
 
 def gradient_sync(accelerator, model, last_micro_batch):

@@ -1,8 +1,8 @@
 """The rollout page (--html_every N): <run>/rollouts/step_N.html, a static self-contained page (no script, no network)
 of a few groups of one training step: the prompt, each completion's reward parts and advantage, and every completion
 token coloured by the weight the loss gave its log-prob, with the token's numbers on hover. A script's loop calls
-write_rollout_page with its rollout batch and what its update_policy returned: each micro-batch of the last epoch as
-the loss took it.
+it through plumbing/run.py Run.page, with its rollout batch and what its update_policy returned: each micro-batch of
+the last epoch as the loss took it.
 
 The weight of token t is read from the script's own loss, whatever the algorithm:
 
@@ -10,11 +10,11 @@ The weight of token t is read from the script's own loss, whatever the algorithm
 
 L: the micro-batch's share of its mini-batch's loss (the script's compute_loss, called again here on the log-probs
 the step computed: the model is not involved); N: the mini-batch's trained tokens over all processes. Under a
-token-mean loss weight_t is the advantage times the algorithm's ratio/clip/mask factor (seq-mean-token-mean scales it
-by N / (B |o_i|)); a clipped or masked token's policy-gradient weight is 0 (grey on the page). The script passes its
-loss as functions of the loss's inputs: "weight" (the whole loss) and, where the loss has a KL term, "pg_weight" (the
-policy-gradient part alone; the difference is the KL term's). A loss that draws at random (Clip-Cov) draws again here,
-from its own stream: the run's random state is left as it was."""
+token-mean loss weight_t is the advantage times the algorithm's ratio/clip/mask factor (GRPO's per-completion token
+mean scales it by N / (B |o_i|)); a clipped or masked token's policy-gradient weight is 0 (grey on the page). The
+script passes its loss as functions of the loss's inputs: "weight" (the whole loss) and, where the loss has a KL term,
+"pg_weight" (the policy-gradient part alone; the difference is the KL term's). A loss that draws at random (Clip-Cov)
+draws again here, from its own stream: the run's random state is left as it was."""
 
 import functools
 import html

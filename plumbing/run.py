@@ -1,7 +1,8 @@
 """Run plumbing every algorithm script shares, with nothing algorithmic in it: the run's flags (RunArgs), their checks
-(each bad value a one-line error before any model loads) and folder name, atomic checkpoints (a crash at any moment
-leaves a complete one on disk), the Hugging Face model folder, a step's metrics (defined once, so every script's times
-and throughputs compare) with their one-sync-per-step reduction, and the console."""
+(each bad value a one-line error before any model loads) and folder name, the run's start (start_run) and what main()
+does through the Run it returns, one call each (the steps to run, the log, the rollout page, checkpoints, the end),
+atomic checkpoints (a crash at any moment leaves a complete one on disk), the Hugging Face model folder, the run-wide
+step statistics (time, throughput, memory: one definition, so every script's compare), and the console."""
 
 import contextlib
 import ctypes
@@ -13,6 +14,8 @@ import os
 import platform
 import resource
 import shutil
+import sys
+import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -22,9 +25,11 @@ import torch
 from plumbing.engine import uses_vllm
 from plumbing.evaluation import check_prior_tasks
 from plumbing.lora import check_adapter_checkpoint, is_lora, merged_weights
-from plumbing.models import gguf_file
-from plumbing.parallel import check_vllm
-from utils.tasks import check_model, check_task
+from plumbing.models import gguf_file, load_tokenizer, resolve_model
+from plumbing.parallel import check_vllm, make_accelerator
+from plumbing.rollout_page import write_rollout_page
+from plumbing.selfcheck import self_check
+from utils.tasks import check_model, check_task, load_splits
 
 
 @dataclass
@@ -120,6 +125,131 @@ class RunArgs:
     """continue the run from its checkpoint"""
 
 
+def start_run(script, args, resolve_args, tool_tokens=0, tool_instruction=""):
+    """A script's start -> its Run. With --self_check, the check runs instead (plumbing/selfcheck.py) and the process
+    exits with its result. Else: torch's threads, glibc's mmap threshold, quiet libraries, the accelerator (DDP or
+    FSDP2 over GPUs or CPUs, bf16 autocast on a GPU), the run's folder, the checked arguments (resolve_args(args,
+    num_processes): the script's model-dependent defaults and its checks), a GGUF model converted on first use, the
+    model's config checked against the lengths (tool_tokens: room for tool output), the checkpoint --resume continues,
+    the tokenizer and the task's rows (tool_instruction: see utils/tasks.py format_prompt), and the seed. Bad input is
+    a one-line error (SystemExit) before any model loads. script: the script's path (its name names the run); args:
+    its Args, whose fields every script shares (model, task, lengths, seed, the run's flags) are read here."""
+    if args.run.self_check:  # this configuration for a few steps in a temporary folder, checked through its outputs
+        raise SystemExit(self_check(script, sys.argv[1:], run_folder(script, args)))
+    from accelerate.utils import set_seed
+
+    torch.set_num_threads(args.run.threads)
+    set_mmap_threshold(args.run.malloc_mmap_threshold)  # if > 0, glibc hands what tensors free back to the system
+    quiet_libraries()
+    accelerator = make_accelerator(args.run.mixed_precision)  # bf16 on a GPU; DDP or FSDP2 over GPUs or CPUs
+    run_dir = run_folder(script, args)
+    try:
+        args = resolve_args(args, accelerator.num_processes)
+        args.model = resolve_model(args.model)  # a GGUF file: converted to a model folder on first use
+        check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens, tool_tokens)
+        checkpoint = resume_checkpoint(accelerator, run_dir, args.run)
+        tokenizer, stop_ids = load_tokenizer(args.model)
+        train_rows, test_rows, summary = load_splits(
+            args.task, tokenizer, args.answer_format, args.instruction, args.max_prompt_length, args.run.eval_size,
+            0 if args.run.eval_only else args.prompts_per_step,
+            accelerator.num_processes if args.run.eval_every or args.run.eval_only else 0, tool_instruction)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"{summary}; {accelerator.num_processes} process(es); run folder {run_dir}")
+    set_seed(args.seed, device_specific=True)
+    return Run(accelerator, args, run_dir, checkpoint, tokenizer, stop_ids, train_rows, test_rows)
+
+
+def run_folder(script, args):
+    """<output_dir>/<the run's name>: named after the script and the flags that differ from the defaults, so the same
+    command finds its folder again (--resume)."""
+    name = os.path.splitext(os.path.basename(script))[0]
+    return os.path.join(args.run.output_dir, run_name(name, args, args.exp_name, args.model, args.task, args.seed))
+
+
+@dataclass
+class Run:
+    """What start_run set up, and what main() does through it, one call each: steps(), log(), page(), save(),
+    finish() (or eval_only()); stopped() is the one-line error of a step stopped before its optimizer step."""
+    accelerator: object  # the processes and their devices (accelerate)
+    args: object  # the script's Args, checked, with the model-dependent defaults resolved
+    run_dir: str  # the run's folder: metrics.jsonl, checkpoint/, final/
+    checkpoint: Optional[str]  # the checkpoint --resume continues; None: a new run
+    tokenizer: object
+    stop_ids: list  # token ids that end a completion
+    train_rows: list  # the task's problems: dicts with "prompt" (the chat-formatted text), "question", "answer"
+    test_rows: list
+    metrics_file: object = None  # metrics.jsonl, open on the main process from steps() on
+
+    def steps(self):
+        """The steps to run, under a progress bar: from 1, or with --resume from the checkpoint's next (the models,
+        optimizers and RNG states prepared by then restored); metrics.jsonl opened (a resumed run's without the steps
+        logged after its checkpoint)."""
+        from tqdm import tqdm
+
+        start = load_checkpoint(self.accelerator, self.checkpoint) if self.checkpoint else 1
+        self.metrics_file = open_metrics(self.accelerator, self.run_dir, self.args, start)
+        total = self.args.total_steps
+        return iter(tqdm(range(start, total + 1), initial=start - 1, total=total, dynamic_ncols=True,
+                         disable=not self.accelerator.is_main_process))
+
+    def log(self, metrics, console_keys, rows, texts, rewards):
+        """The step's line in metrics.jsonl (and wandb), its console line with console_keys, every
+        --log_completions_every steps three of its completions (rows: each completion's task row, texts, rewards);
+        then the log-prob gap alarm: an engine on stale weights stops the run here, before the step's checkpoint."""
+        from tqdm import tqdm
+
+        if self.accelerator.is_main_process:
+            log_step(self.metrics_file, metrics, self.args.run, self.args.total_steps, tqdm.write, console_keys, [
+                (rows[i]["question"], texts[i], rows[i]["answer"], rewards[i])
+                for i in range(0, len(texts), max(1, len(texts) // 3))[:3]])
+        check_logprob_gap(metrics, self.args.run, tqdm.write, self.run_dir)
+
+    def page(self, step, batch, last_epoch, losses, samples, rewards, group_size=None):
+        """Every --html_every steps, rollouts/step_N.html (plumbing/rollout_page.py): the last --html_groups groups of
+        this process's batch, each token coloured by the weight the loss gave it. last_epoch: what update_policy
+        returned; losses: {"weight": the loss as a function of its inputs[, "pg_weight": its policy-gradient part]};
+        rewards: {part: per completion}; group_size: completions per group (None: the batch over the process's
+        prompts)."""
+        every = self.args.run.html_every
+        if not (every and step % every == 0 and self.accelerator.is_main_process):
+            return
+        width = batch.prompt_width
+        prompts = [self.tokenizer.decode(ids[:width][mask[:width].bool()].tolist())
+                   for ids, mask in zip(batch.input_ids, batch.attention_mask)]
+        group_size = group_size or len(batch) // (self.args.prompts_per_step // self.accelerator.num_processes)
+        write_rollout_page(self.run_dir, step, self.tokenizer, batch, last_epoch, losses, prompts, rewards,
+                           [sample.truncated for sample in samples], group_size, self.args.run.html_groups)
+
+    def save(self, step, model, write=None):
+        """A checkpoint every --save_every steps and at the end (save_checkpoint; write(folder): a script's own
+        state)."""
+        every = self.args.run.save_every
+        if (every and step % every == 0) or step == self.args.total_steps:
+            save_checkpoint(self.accelerator, model, self.tokenizer, self.run_dir, step, write)
+
+    def stopped(self, step, error):
+        """The one-line error that ends a run whose step failed before its optimizer step (a non-finite gradient)."""
+        return SystemExit(f"error: step {step}: {error}; stopped before the optimizer step, nothing saved from this "
+                          f"step (the last checkpoint in {self.run_dir} is intact)")
+
+    def finish(self, model, *closing):
+        """The trained policy into final/ (a Hugging Face folder), then each of `closing` closed (reward workers,
+        the evaluation's), metrics.jsonl last."""
+        save_model(self.accelerator, model, self.tokenizer, os.path.join(self.run_dir, "final"))
+        for thing in closing:
+            thing.close()
+        if self.accelerator.is_main_process:
+            close_metrics(self.metrics_file, self.args.run.track)
+
+    def eval_only(self, evaluation, *closing):
+        """--eval_only: one evaluation of --model into eval_only.jsonl (a training run's metrics.jsonl is never
+        touched), then each of `closing` closed."""
+        write_eval_only(self.accelerator, self.run_dir, self.args.model, evaluation(0, always=True))
+        for thing in closing:
+            thing.close()
+
+
 @contextlib.contextmanager
 def new_checkpoint(accelerator, run_dir, step):
     """Yields an empty folder, run_dir/checkpoint.tmp, for every process to write a checkpoint into; then swaps it in
@@ -141,10 +271,12 @@ def new_checkpoint(accelerator, run_dir, step):
     accelerator.wait_for_everyone()
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir, step):
-    """The policy, its optimizer and every process's RNG states (what accelerate prepared), and the policy as a
-    Hugging Face folder (hf/: loadable with --model), atomically."""
+def save_checkpoint(accelerator, model, tokenizer, run_dir, step, write=None):
+    """The policy, its optimizer and every process's RNG states (what accelerate prepared), the policy as a Hugging
+    Face folder (hf/: loadable with --model), and what write(folder) writes there (a script's own state), atomically."""
     with new_checkpoint(accelerator, run_dir, step) as folder:
+        if write is not None:
+            write(folder)
         accelerator.save_state(folder)
         save_model(accelerator, model, tokenizer, os.path.join(folder, "hf"))
 
@@ -340,45 +472,26 @@ def close_metrics(metrics_file, track):
         wandb.finish()
 
 
-def reduce_metrics(accelerator, sums=(), means=(), maxes=()):
-    """Combine each process's statistics into one value per key: `sums` are added (shares of a global mean, already
-    divided by a global count, or counts to total), `means` averaged (values over as many items on every process), `maxes` maxed. One
-    gather and one host sync per step."""
-    groups = [(k, v, "sum") for k, v in dict(sums).items()] + [(k, v, "mean") for k, v in dict(means).items()] + [
-        (k, v, "max") for k, v in dict(maxes).items()]
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
-                          for _, v, _ in groups])
-    gathered = accelerator.gather(values.unsqueeze(0))  # (processes, keys)
-    reduced = torch.stack([getattr(gathered[:, i], how)() for i, (_, _, how) in enumerate(groups)]).tolist()
-    return {k: value for (k, _, _), value in zip(groups, reduced)}
+def step_times(seconds, scoring, samples):
+    """A step's run-wide statistics, one value per process (averaged over processes): seconds per phase, time/step =
+    rollout (generating, the weight push included: weight_sync) + score (waiting on the reward workers; score_hidden:
+    the scoring that overlapped the trainer's passes) + train (the rest), and the rollout's completion tokens per
+    second. seconds: "start" (the step's time.time()), "rollout", "weight_sync"; scoring: the reward job, or None when
+    seconds holds "score" and "score_hidden" itself (dapo.py's rounds)."""
+    step = time.time() - seconds["start"]
+    score, hidden = (seconds["score"], seconds["score_hidden"]) if scoring is None else (scoring.waited, scoring.hidden)
+    times = {"step": step, "rollout": seconds["rollout"], "weight_sync": seconds["weight_sync"], "score": score,
+             "score_hidden": hidden, "train": step - seconds["rollout"] - score}
+    tokens = torch.tensor([float(len(sample.token_ids)) for sample in samples]).sum()
+    return {"rollout/tokens_per_s": tokens / seconds["rollout"], **{f"time/{k}": v for k, v in times.items()}}
 
 
-def step_metrics(accelerator, engine, stats, samples, accuracy, formats, task_rewards, counts, seconds):
-    """A step's metrics over every process, with one definition in every script: the rollout's completions (reward,
-    accuracy, format, lengths, truncations, answers missing and reward failures by kind), rollout throughput, where
-    the step's time went and peak memory, beside update_policy's statistics (stats: its sums, means and maxes, the
-    script's StepStats). seconds: "step" (the whole step before evaluation), "rollout" (generating, weight push
-    included), "weight_sync", "score" (waiting on the reward workers), "score_hidden" (scoring that overlapped
-    training); time/train is the rest of the step. rollout/tail_frac is the rollout's (tail_fraction), unless
-    stats.means brings the script's own. memory/cuda_allocated_gb_max is the peak of torch's CUDA allocator less
-    the engine's share (engine.cuda_bytes: a sleeping vLLM engine's tensors stay allocated)."""
-    lengths = torch.tensor([float(len(sample.token_ids)) for sample in samples])
-    seconds = {**seconds, "train": seconds["step"] - seconds["rollout"] - seconds["score"]}
-    return reduce_metrics(accelerator, sums={
-        **stats.sums, **{f"charts/reward_{kind}": n for kind, n in counts.items() if kind != "no_answer"},
-    }, means={
-        "rollout/tail_frac": tail_fraction(lengths.tolist()), **stats.means,  # a script may measure its own
-        "charts/reward": task_rewards.mean(), "charts/accuracy": np.mean(accuracy),
-        "charts/format": np.mean(formats), "charts/completion_length": lengths.mean(),
-        "charts/truncated_frac": np.mean([sample.truncated for sample in samples]),
-        "charts/no_answer_frac": counts["no_answer"] / len(samples),
-        "rollout/tokens_per_s": lengths.sum() / seconds["rollout"], **{f"time/{k}": v for k, v in seconds.items()},
-    }, maxes={
-        **stats.maxes, "charts/completion_length_max": lengths.max(),
-        "memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
-        **({"memory/cuda_allocated_gb_max": (torch.cuda.max_memory_allocated() - engine.cuda_bytes) / 2**30}
-           if torch.cuda.is_available() else {}),
-    })
+def peak_memory(engine):
+    """The process's peak memory so far (the largest over processes): resident (ru_maxrss), and with CUDA the peak of
+    torch's allocator less the engine's share (engine.cuda_bytes: a sleeping vLLM engine's tensors stay allocated)."""
+    return {"memory/rss_gb_max": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # Linux: kB
+            **({"memory/cuda_allocated_gb_max": (torch.cuda.max_memory_allocated() - engine.cuda_bytes) / 2**30}
+               if torch.cuda.is_available() else {})}
 
 
 def tail_fraction(lengths):
@@ -394,8 +507,9 @@ def check_logprob_gap(metrics, run, write, run_dir):
     (SystemExit), before this step's checkpoint is written."""
     gap, step = metrics.get("rollout/logprob_gap_mean", 0.0), metrics["step"]
     if run.logprob_gap_stop and gap > run.logprob_gap_stop:
-        raise SystemExit(f"error: step {step}: the mean engine/trainer log-prob gap {gap:.3g} exceeds --logprob_gap_stop "
-                         f"{run.logprob_gap_stop}: the engine is not sampling from the trainer's weights (a weight push "
+        raise SystemExit(f"error: step {step}: the mean engine/trainer log-prob gap {gap:.3g} exceeds "
+                         f"--logprob_gap_stop {run.logprob_gap_stop}: the engine is not sampling from the trainer's "
+                         "weights (a weight push "
                          "that failed, weights lost in sleep); this step was not checkpointed, the last checkpoint in "
                          f"{run_dir} is intact")
     if run.logprob_gap_warn and gap > run.logprob_gap_warn:
@@ -435,18 +549,19 @@ def largest_divisor(n, at_most):
     return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
 
 
-def check_run_args(run, total_steps):
-    """The run's plumbing flags (RunArgs) and the step count."""
+def check_run_args(run, total_steps, model, task):
+    """The run's plumbing flags (RunArgs), the step count, the model and the task."""
     check_positive(run, "reward_timeout", "eval_samples", "threads", "html_groups")
-    for name in ("eval_every", "save_every", "log_completions_every", "html_every", "eval_temperature", "reward_workers",
-                 "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop", "malloc_mmap_threshold", "kl_prompts"):
+    for name in ("eval_every", "save_every", "log_completions_every", "html_every", "eval_temperature",
+                 "reward_workers", "reward_memory_mb", "logprob_gap_warn", "logprob_gap_stop", "malloc_mmap_threshold",
+                 "kl_prompts"):
         if not getattr(run, name) >= 0:
             raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")
     check_fraction(run, "eval_top_p")
     if run.prior_tasks:
         check_positive(run, "prior_eval_size")
-        for task in run.prior_tasks:
-            check_task(task)
+        for prior in run.prior_tasks:
+            check_task(prior)
         check_prior_tasks(run.prior_tasks)
     if total_steps < 1 and not run.eval_only:
         raise ValueError(f"--total_steps {total_steps}: must be >= 1 (use --eval_only to only evaluate)")
@@ -463,6 +578,7 @@ def check_run_args(run, total_steps):
         raise ValueError(f"--vllm_gpu_memory_utilization {run.vllm_gpu_memory_utilization}: must be in (0, 1), the "
                          "engine's share of the GPU beside the trainer's models")
     check_device(run)
+    check_model_and_task(model, task)
 
 
 def check_device(run):
@@ -516,7 +632,6 @@ def check_model_config(model, run, max_prompt_length, max_new_tokens, tool_token
         raise ValueError(f"--max_prompt_length {max_prompt_length} + --max_new_tokens {max_new_tokens}"
                          + (f" + tool output {tool_tokens} (--max_turns * --max_tool_tokens)" if tool_tokens else "")
                          + f" exceeds the model's {limit} positions: lower one of them")
-
 
 
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek configs

@@ -77,8 +77,8 @@ def self_check(script, argv, run_dir):
                          + (resumed["error"] or straight["error"])))
     rows.append(_reward(config))
     lines = [f"self-check of `{os.path.basename(script)} {shlex.join(argv)}`, its runs launched as {_launch_words()}",
-             "", "| check | result | numbers |", "|---|---|---|"] + [f"| {name} | {'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |"
-                                 for name, ok, detail in rows]
+             "", "| check | result | numbers |", "|---|---|---|"] + [
+        f"| {name} | {'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |" for name, ok, detail in rows]
     print("\n".join(lines))
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "self_check.md"), "w") as f:
@@ -133,7 +133,8 @@ def _launch_words():
         return "this one: `python`"
     fsdp = os.environ.get("ACCELERATE_USE_FSDP") == "true"
     return (f"this one: torchrun, {os.environ.get('WORLD_SIZE', '1')} process(es), mixed precision "
-            f"{os.environ.get('ACCELERATE_MIXED_PRECISION', 'no')}, {'FSDP' + os.environ.get('FSDP_VERSION', '1') if fsdp else 'no FSDP'}")
+            f"{os.environ.get('ACCELERATE_MIXED_PRECISION', 'no')}, "
+            f"{'FSDP' + os.environ.get('FSDP_VERSION', '1') if fsdp else 'no FSDP'}")
 
 
 def _on_policy(straight):

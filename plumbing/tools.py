@@ -148,8 +148,6 @@ def tool_metrics(completions, accuracy, tool_time, accelerator):
             "charts/accuracy_without_call": right_direct / (n - n_called) if n > n_called else nan}
 
 
-
-
 # ---- Linux mechanisms, through the C library ------------------------------------------------------------------------
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000

@@ -40,7 +40,8 @@ def reference_aspo_loss(logp, old_logp, adv, mask, eps_low, eps_high, c):
 def test_loss_and_gradient_match_the_paper(seed, eps_low, eps_high, c, spread):
     """Spreads up to 1.5 nats put tokens in every region: flipped, clipped, and dual-clipped on both signs."""
     logp, old, _, adv, mask = random_batch(seed, spread=spread)
-    loss, _, _ = loss_of(aspo, logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=c, beta=0.0)
+    loss, _, _ = loss_of(aspo, logp, old, adv, mask, clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=c,
+                         beta=0.0)
     assert_same_loss_and_gradient(loss, reference_aspo_loss(logp, old, adv, mask, eps_low, eps_high, c), logp, 1e-6)
 
 

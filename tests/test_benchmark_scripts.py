@@ -171,9 +171,9 @@ def test_memory_measures_every_case_and_the_estimate_holds_the_tensor_peak(tmp_p
 
 
 def test_the_estimate_is_the_state_plus_the_larger_of_the_two_phases():
-    """plumbing/memory.estimate: weights, gradients and AdamW state, plus the activations and log-prob pass or the step's
-    scratch, whichever is larger; on a CPU the scratch is two float32 copies of the largest trained parameter, on a
-    GPU one of every trained parameter (AdamW's foreach step); FSDP2 divides the state and the scratch."""
+    """plumbing/memory.estimate: weights, gradients and AdamW state, plus the activations and log-prob pass or the
+    step's scratch, whichever is larger; on a CPU the scratch is two float32 copies of the largest trained parameter, on
+    a GPU one of every trained parameter (AdamW's foreach step); FSDP2 divides the state and the scratch."""
     from transformers import Qwen2Config
 
     from plumbing.memory import estimate
@@ -290,9 +290,8 @@ def test_lora_sweep_runs_full_fine_tuning_and_a_rank(tmp_path):
 
 @pytest.mark.slow
 def test_pass_at_k_evaluates_both_models(tmp_path):
-    out = run_benchmark(["benchmarks/pass_at_k.py", "--trained", "toy_model", "--samples", "2", "--name", "pk",
-                         "--out_dir", str(tmp_path / "runs"), "--", "--eval_size", "4", "--max_new_tokens", "8"],
-                        tmp_path)
+    run_benchmark(["benchmarks/pass_at_k.py", "--trained", "toy_model", "--samples", "2", "--name", "pk",
+                   "--out_dir", str(tmp_path / "runs"), "--", "--eval_size", "4", "--max_new_tokens", "8"], tmp_path)
     header, _, *rows = table_rows((tmp_path / "pk.md").read_text(), 5)
     assert header[:4] == ["model", "greedy pass@1", "pass@1", "pass@2"] and [r[0] for r in rows] == ["base", "trained"]
     assert rows[0][1:] == rows[1][1:]  # the same model and seed: the same numbers

@@ -15,7 +15,7 @@ from tests.helpers import resolved
 from grpo import make_batch
 from plumbing.engine import Engine
 from plumbing.engine import HFDecoder, Sample, sample_tokens
-from plumbing.models import load_tokenizer
+from plumbing.models import load_model, load_tokenizer
 
 PROMPTS = ["12+34=", "07+45=", "99+99=", "5+5="]  # the last one is shorter: left padding is exercised
 
@@ -27,7 +27,7 @@ def setup(model_dir=None, **overrides):
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = load_tokenizer(args.model)
     assert stop_ids == [tokenizer.eos_token_id]  # the embedded model's: rollouts below pass it
-    model = grpo.load_model(args.model, tokenizer).eval()
+    model = load_model(args.model, tokenizer).eval()
     return args, accelerator, tokenizer, model
 
 
@@ -94,11 +94,11 @@ def test_the_reference_computes_as_the_policy_under_bf16_mixed_precision():
     AcceleratorState._reset_state(True)  # one accelerator state per process: this test's has bf16
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
-        policy = accelerator.prepare_model(grpo.load_model(args.model, tokenizer).eval())
-        reference = accelerator.prepare_model(grpo.load_model(args.model, tokenizer).eval(), evaluation_mode=True)
+        policy = accelerator.prepare_model(load_model(args.model, tokenizer).eval())
+        reference = accelerator.prepare_model(load_model(args.model, tokenizer).eval(), evaluation_mode=True)
         in_bf16 = accelerator.prepare_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
                                             .eval(), evaluation_mode=True)
-        plain = grpo.load_model(args.model, tokenizer).eval()  # float32 without autocast
+        plain = load_model(args.model, tokenizer).eval()  # float32 without autocast
         with torch.no_grad():
             logp, ref_logp, bf16_logp = (grpo.batched_logprobs(m, batch, 1.0, accelerator, len(batch), 4)[mask]
                                          for m in (policy, reference, in_bf16))

@@ -9,7 +9,6 @@ instead of all-reduced whole, and each micro-batch's gradient reduced on its own
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -23,16 +22,18 @@ import json, torch
 from torch.distributed.tensor import DTensor
 import grpo
 from tests.helpers import resolved
-from plumbing.parallel import make_accelerator, policy_weights
+from plumbing.models import load_model, load_tokenizer
+from plumbing.parallel import load_models, make_accelerator, policy_weights
 
 args = resolved(grpo)
 accelerator = make_accelerator()
-tokenizer, _ = grpo.load_tokenizer(args.model)
-model, optimizer, ref_model = grpo.load_models(args, tokenizer, accelerator, with_reference=True)
+tokenizer, _ = load_tokenizer(args.model)
+model, optimizer, ref_model = load_models(args.model, args.learning_rate, args.run, tokenizer, accelerator, True)
 weights = list(policy_weights(model, accelerator))  # every rank gathers every tensor, in the same order
-plain = grpo.load_model(args.model, tokenizer).state_dict()
-result = {"type": str(accelerator.distributed_type), "policy_sharded": all(isinstance(p, DTensor)
-          for p in model.parameters()), "reference_sharded": all(isinstance(p, DTensor) for p in ref_model.parameters()),
+plain = load_model(args.model, tokenizer).state_dict()
+result = {"type": str(accelerator.distributed_type),
+          "policy_sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+          "reference_sharded": all(isinstance(p, DTensor) for p in ref_model.parameters()),
           "local_rows": [p.to_local().shape[0] for p in ref_model.parameters()][:1],
           "names": [name for name, _ in weights] == list(plain),
           "full": all(torch.equal(t, plain[name]) for name, t in weights)}
@@ -126,13 +127,15 @@ PRECISION_CHECK = """
 import json, torch
 import grpo
 from tests.helpers import resolved
-from plumbing.parallel import make_accelerator
+from plumbing.engine import Sample
+from plumbing.models import load_tokenizer
+from plumbing.parallel import load_models, make_accelerator
 
 args = resolved(grpo)
 accelerator = make_accelerator()
-tokenizer, _ = grpo.load_tokenizer(args.model)
-model, optimizer, _ = grpo.load_models(args, tokenizer, accelerator, with_reference=False)
-batch = grpo.make_batch([[5, 6, 7]] * 2, [grpo.Sample([8, 9, 2], [-1.0] * 3, False)] * 2, tokenizer.pad_token_id,
+tokenizer, _ = load_tokenizer(args.model)
+model, optimizer, _ = load_models(args.model, args.learning_rate, args.run, tokenizer, accelerator, False)
+batch = grpo.make_batch([[5, 6, 7]] * 2, [Sample([8, 9, 2], [-1.0] * 3, False)] * 2, tokenizer.pad_token_id,
                         accelerator.device)
 seen = []
 layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -152,11 +155,11 @@ if accelerator.is_main_process:
 
 @pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
 def test_the_gpu_runs_bf16_path_on_cpu_processes(tmp_path, parallel):
-    """`--mixed_precision bf16`, as the GPU configs launch: torch autocasts to bf16 on CPUs too, and gloo carries FSDP2's
-    bf16 all-gathers and its float32 gradient reduce-scatters. The weights and their gradients stay float32, the
+    """`--mixed_precision bf16`, as the GPU configs launch: torch autocasts to bf16 on CPUs too, and gloo carries
+    FSDP2's bf16 all-gathers and its float32 gradient reduce-scatters. The weights and their gradients stay float32, the
     layers compute in bf16 (FSDP2: the MixedPrecisionPolicy make_accelerator sets, reducing in float32, where
-    accelerate's own reduces in bf16), the log-probs come out float32; a 2-step run on that path trains, its engine/trainer gap that of
-    a bf16 trainer (above float32's ~1e-7, under --logprob_gap_warn)."""
+    accelerate's own reduces in bf16), the log-probs come out float32; a 2-step run on that path trains, its
+    engine/trainer gap that of a bf16 trainer (above float32's ~1e-7, under --logprob_gap_warn)."""
     launcher = list(fsdp2(29562) if parallel == "fsdp2" else two_processes(29563))
     launcher[launcher.index("--mixed_precision") + 1] = "bf16"
     script = tmp_path / "precision_check.py"

@@ -42,7 +42,8 @@ def test_gpu_step_tail_mode_at_a_tiny_shape(tmp_path):
     out = tmp_path / "gpu_step.jsonl"
     proc = subprocess.run([sys.executable, "benchmarks/gpu_step.py", "--tail", "--shape", "tiny", "--engines", "hf",
                            "--steps", "4", "--prompts", "4", "--generations", "4", "--new_tokens", "64",
-                           "--prompt_len", "8", "--micro_batch_size", "4", "--stop_frac", "0.05", "--out", str(out)], cwd=ROOT,
+                           "--prompt_len", "8", "--micro_batch_size", "4", "--stop_frac", "0.05", "--out", str(out)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = [json.loads(line) for line in open(out)]

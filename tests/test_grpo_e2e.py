@@ -16,7 +16,7 @@ import grpo
 import tests.helpers
 from tests.helpers import ROOT, SMALL, resolved, run_grpo, two_processes
 from grpo import StepStats
-from plumbing.run import RunArgs, find_checkpoint, run_name, step_metrics
+from plumbing.run import RunArgs, find_checkpoint, run_name
 
 
 def test_import_has_no_side_effects(tmp_path):
@@ -97,24 +97,31 @@ def test_the_mmap_threshold_maps_large_tensors_on_their_own_and_the_environment_
 
 
 def test_step_metrics_are_the_rollouts_and_the_phases_add_up_to_the_step():
-    """plumbing/run.py step_metrics, which every script logs through: one definition of each rate and time."""
+    """A step's statistics as grpo.py combines them: the rollout's (rollout_stats, in the script) and the run-wide
+    times and throughput (plumbing/run.py step_times), reduced over processes by StepStats.reduce."""
+    import time
+    import types
+
     from accelerate import Accelerator
 
-    from plumbing.engine import Engine, Sample
+    from plumbing.engine import Sample
+    from plumbing.run import step_times
 
     samples = [Sample([5, 6, 7], [-0.1] * 3, False), Sample([5], [-0.2], True)]
     counts = {"no_answer": 1, "unparsed": 0, "timeouts": 2, "verify_timeouts": 0, "errors": 0, "memory": 0}
     stats = StepStats()
     stats.add({"losses/policy": 0.5})
-    metrics = step_metrics(Accelerator(cpu=True), Engine([0]), stats, samples,
-                           [1.0, 0.0], [1.0, 0.0], torch.tensor([1.1, 0.0]), counts,
-                           {"step": 2.0, "rollout": 0.5, "weight_sync": 0.1, "score": 0.25, "score_hidden": 0.2})
-    assert metrics["time/train"] == pytest.approx(1.25)  # step - rollout - score
+    grpo.rollout_stats(stats, samples, [1.0, 0.0], [1.0, 0.0], torch.tensor([1.1, 0.0]), counts)
+    seconds = {"start": time.time() - 2.0, "rollout": 0.5, "weight_sync": 0.1}
+    stats.mean(step_times(seconds, types.SimpleNamespace(waited=0.25, hidden=0.2), samples))
+    metrics = stats.reduce(Accelerator(cpu=True))
+    assert metrics["time/train"] == pytest.approx(metrics["time/step"] - 0.75, abs=1e-6)  # step - rollout - score
     assert sum(metrics[f"time/{k}"] for k in ("rollout", "score", "train")) == pytest.approx(metrics["time/step"])
     assert metrics["rollout/tokens_per_s"] == pytest.approx(4 / 0.5)
     assert (metrics["charts/completion_length"], metrics["charts/completion_length_max"]) == (2.0, 3.0)
     assert metrics["charts/truncated_frac"] == 0.5 and metrics["charts/no_answer_frac"] == 0.5
     assert metrics["charts/reward"] == pytest.approx(0.55) and metrics["charts/reward_timeouts"] == 2
+    assert metrics["rollout/tail_frac"] == pytest.approx(1 - 2 / 3)  # 1 - median / max of the lengths (3, 1)
     assert metrics["losses/policy"] == 0.5 and "charts/reward_no_answer" not in metrics
 
 
@@ -123,13 +130,10 @@ def test_cuda_memory_figures_exclude_a_sleeping_engine(monkeypatch):
     include them: create_engine records what they grew by across the engine's start and sleep, and the trainer's
     figure is the allocator's peak less that. torch's CUDA counters and vLLM's LLM are stood in for here: the
     arithmetic is what is tested, on a machine without a GPU."""
-    import types
-
     import vllm
-    from accelerate import Accelerator
 
-    from plumbing.engine import Sample, create_engine
-    from plumbing.run import RunArgs, step_metrics
+    from plumbing.engine import create_engine
+    from plumbing.run import RunArgs, peak_memory
 
     allocated = {"now": 3 * 2**30}  # the trainer's models, loaded before the engine
 
@@ -148,10 +152,8 @@ def test_cuda_memory_figures_exclude_a_sleeping_engine(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", SleepingLLM)
     engine = create_engine(RunArgs(engine="vllm"), "model", 0, 64, [0])
     assert engine.asleep and engine.cuda_bytes == 40 * 2**30
-    stats = types.SimpleNamespace(sums={}, means={}, maxes={})
-    metrics = step_metrics(Accelerator(cpu=True), engine, stats, [Sample([5], [-0.1], False)], [1.0], [1.0],
-                           torch.tensor([1.0]), {"no_answer": 0}, {"step": 1.0, "rollout": 0.5, "score": 0.0})
-    assert metrics["memory/cuda_allocated_gb_max"] == pytest.approx(8.0)  # 3 GB of models + the step's 5, not 48
+    # 3 GB of models + the step's 5, not 48
+    assert peak_memory(engine)["memory/cuda_allocated_gb_max"] == pytest.approx(8.0)
 
 
 def test_real_models_do_not_inherit_toy_defaults(tmp_path):
@@ -276,7 +278,8 @@ def test_one_process_off_policy_minibatches_checkpoint_and_eval_only(tmp_path):
     assert "Removed shared tensor" not in noise and "Loading weights" not in noise
     assert not (run_dir / "checkpoint" / "model_1.safetensors").exists()  # the frozen reference is not saved
     assert (run_dir / "checkpoint" / "model.safetensors").exists()
-    # the eval-only command of docs/running.md on the run's own folder: results go to eval_only.jsonl, metrics stay as they were
+    # the eval-only command of docs/running.md on the run's own folder: results go to eval_only.jsonl, metrics stay as
+    # they were
     metrics_before = (run_dir / "metrics.jsonl").read_text()
     proc, _ = run_grpo(["--model", str(run_dir / "final"), "--eval_only", "--eval_size", "16", "--eval_samples", "2",
                         "--max_new_tokens", "48", "--max_prompt_length", "64"], tmp_path)
@@ -365,8 +368,8 @@ def test_local_math_shaped_file_with_the_embedded_model(tmp_path):
     with open(path, "w") as f:
         for i in range(40):
             a, b = (i * 37) % 100, (i * 53 + 11) % 100
-            f.write(json.dumps({"problem": f"{a:02d}+{b:02d}=", "solution": f"$\\boxed{{\\frac{{{2 * (a + b)}}}{{2}}}}$"})
-                    + "\n")
+            solution = f"$\\boxed{{\\frac{{{2 * (a + b)}}}{{2}}}}$"
+            f.write(json.dumps({"problem": f"{a:02d}+{b:02d}=", "solution": solution}) + "\n")
     proc, rows = run_grpo(["--task", str(path), "--total_steps", "2", "--eval_every", "2", "--answer_format",
                            "answer_tags", *SMALL], tmp_path)
     assert "36 train / 4 test prompts" in proc.stdout

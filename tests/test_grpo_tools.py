@@ -11,6 +11,7 @@ from accelerate import Accelerator
 import grpo_tools
 from grpo_tools import Batch, make_batch, micro_batches
 from tests.helpers import ROOT, SMALL, loss_of, resolved, run_grpo, two_processes
+from plumbing.models import load_model
 from plumbing.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
@@ -42,7 +43,7 @@ def test_hf_decode_loop_stops_at_the_tool_stop_string():
 
     torch.manual_seed(0)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(TOOLS_MODEL, tokenizer).eval()
+    model = load_model(TOOLS_MODEL, tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
     samples = grpo_tools.ToolDecoder(stop_ids, [96] * 64).generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96,
                                                                    Accelerator(cpu=True))
@@ -68,7 +69,7 @@ def test_tool_output_is_context_not_action():
 
     torch.manual_seed(0)
     tokenizer, _ = load_tokenizer(TOOLS_MODEL)
-    model, accelerator = grpo_tools.load_model(TOOLS_MODEL, tokenizer), Accelerator(cpu=True)
+    model, accelerator = load_model(TOOLS_MODEL, tokenizer), Accelerator(cpu=True)
     prompt = tokenizer("347*86=")["input_ids"]
     model_turn = tokenizer("```python\nprint(347*86)" + TOOL_STOP)["input_ids"]
 
@@ -110,7 +111,7 @@ def test_a_rollout_lays_out_model_and_tool_tokens():
     args = resolved(grpo_tools, model=TOOLS_MODEL, max_new_tokens=96, max_turns=1, engine="hf")
     accelerator = Accelerator(cpu=True)
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
-    model = grpo_tools.load_model(args.model, tokenizer).eval()
+    model = load_model(args.model, tokenizer).eval()
     engine = create_engine(args.run, args.model, args.seed, 0, stop_ids)  # the HF decode loop: no context limit
     rows = toy_mul_problems("test")[:16]
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]

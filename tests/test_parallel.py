@@ -4,6 +4,7 @@ the vLLM versions the engine code accepts, and a free port for an engine of its 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,11 +59,12 @@ def test_an_unsupported_vllm_stops_the_run_before_its_engine_starts(monkeypatch)
     """check_run_args (every script's resolve_args) reads the installed version: one line before any model loads."""
     import plumbing.run
     from plumbing.run import RunArgs
+    from utils.tasks import TOY_MODEL_DIR
 
     monkeypatch.setattr(plumbing.run, "vllm_version", lambda: "0.20.1")
     with pytest.raises(ValueError, match="vLLM 0.20.1 is installed"):
-        plumbing.run.check_run_args(RunArgs(engine="vllm"), total_steps=10)
-    plumbing.run.check_run_args(RunArgs(engine="hf"), total_steps=10)  # the HF engine needs none
+        plumbing.run.check_run_args(RunArgs(engine="vllm"), 10, TOY_MODEL_DIR, "toy")
+    plumbing.run.check_run_args(RunArgs(engine="hf"), 10, TOY_MODEL_DIR, "toy")  # the HF engine needs none
 
 
 class RecordingLLM:
@@ -83,11 +85,19 @@ class RecordingLLM:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
+    def generate(self, prompts, params, use_tqdm):
+        self.calls.append(("generate", len(prompts)))
+        return []
+
 
 def test_a_sleeping_engine_wakes_with_the_trainers_cache_emptied_first(monkeypatch):
-    """GPU sleep mode's order (TRL's and verl's): the trainer's cached blocks freed before the weights wake (a cached
-    peak can leave them no room), the weights pushed whole, the prefix cache reset, the cache emptied again before the
-    KV cache wakes; a level-2 sleep drops the weights, so the next rollout pushes again. The default level is 2."""
+    """GPU sleep mode's order, as grpo.py's generate() takes it (TRL's and verl's): the trainer's cached blocks freed
+    before the weights wake (a cached peak can leave them no room), the weights pushed whole, the prefix cache reset,
+    the cache emptied again before the KV cache wakes, sampling, sleep; a level-2 sleep drops the weights, so the next
+    rollout pushes again, while a level-1 sleep keeps them. The default level is 2. (vLLM's LLM and its parameter
+    holder are stand-ins that record the calls: the sequence is the script's.)"""
+    import types
+
     import grpo
     from plumbing.engine import Engine
     from plumbing.run import RunArgs
@@ -95,14 +105,18 @@ def test_a_sleeping_engine_wakes_with_the_trainers_cache_emptied_first(monkeypat
     _, accelerator, _, model = setup()
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kwargs: kwargs))
     engine = Engine([0], RecordingLLM(calls), asleep=True, sleep_level=RunArgs().vllm_sleep_level)
     assert engine.sleep_level == 2
-    grpo.wake_engine(engine, model, accelerator, policy_version=3)
-    tensors = len(model.state_dict())
-    assert calls == [("empty_cache",), ("wake_up", ("weights",)), ("reload_weights", tensors),
-                     ("reset_prefix_cache",), ("empty_cache",), ("wake_up", ("kv_cache",))]
-    grpo.sleep_engine(engine)
-    assert calls[-1] == ("sleep", 2) and engine.weights_version is None
+    rollout = [("empty_cache",), ("wake_up", ("weights",)), ("reload_weights", len(model.state_dict())),
+               ("reset_prefix_cache",), ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 1)]
+    for level in (2, 2, 1, 1):  # pushes: every rollout at level 2; at level 1 the first only
+        engine.sleep_level, current = level, engine.weights_version == 3
+        calls.clear()
+        samples, _ = grpo.generate(engine, model, None, [[5]], 1, 1.0, 1.0, 4, accelerator, policy_version=3)
+        pushed = [c for c in rollout if not (current and c[0] in ("reload_weights", "reset_prefix_cache"))]
+        assert samples == [] and calls == pushed + [("sleep", level)], (level, calls)
+        assert engine.weights_version == (None if level == 2 else 3)
 
 
 def test_the_gap_alarm_warns_then_stops(tmp_path):

@@ -87,8 +87,8 @@ def test_format_reward(text, fmt, expected):
 
 
 def test_score_completions_toy_is_exact_match():
-    acc, fmt, counts = score_completions(["<answer>052</answer>", "<answer>52</answer>", "052", "<answer>052</answer>x"],
-                                         ["052"] * 4, "toy", "answer_tags")
+    completions = ["<answer>052</answer>", "<answer>52</answer>", "052", "<answer>052</answer>x"]
+    acc, fmt, counts = score_completions(completions, ["052"] * 4, "toy", "answer_tags")
     assert acc == [1.0, 0.0, 0.0, 1.0] and fmt == [1.0, 1.0, 0.0, 0.0]
     assert counts["no_answer"] == 1 and counts["timeouts"] == 0
 
@@ -221,7 +221,8 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 LEARNABLE_NON_ANSWERS = [
     "\\boxed{}", "\\boxed{ }", "\\boxed{\n}", "\\boxed{\\text{}}", "\\boxed{\\text{ }}", "so the answer is \\boxed{}.",
     INSTRUCTION, "Please put your final answer within \\boxed{}.",  # a copy of the instruction
-    "Give the final answer as \\boxed{ANSWER}.", "\\boxed{answer}", "\\boxed{\\text{ANSWER}}",  # or of --instruction user
+    # or of --instruction user
+    "Give the final answer as \\boxed{ANSWER}.", "\\boxed{answer}", "\\boxed{\\text{ANSWER}}",
     "\\boxed{What is 4 + 3?}", "\\boxed{State the final answer to the following arithmetic problem:}",  # the question
     "\\boxed{7}\n\\boxed{8}\n\\boxed{9}",  # a box per line
 ]

@@ -112,14 +112,15 @@ def test_masked_whiten_single_token_is_finite():
         assert torch.isfinite(out).all() and out[0, 1].item() == 0.0
 
 
-# ---- The loss aggregations: each script's compute_loss (utils/rl.py's aggregate_loss is gone) ----------------------
+# ---- The loss aggregations: each script's compute_loss -------------------------------------------------------------
+
 LOSS = T([[1.0, 2, 3, 0, 0], [4, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
 MASK = T([[1.0, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
 
 
 @pytest.mark.parametrize("script, flags, expected", [  # by hand from the three rows above
     ("dapo", {"loss_agg": "token-mean"}, 15 / 9),  # 1 / sum_i |o_i|
-    ("grpo", {"beta": 0.0}, 7 / 3),  # seq-mean-token-mean: 1/B sum_i 1/|o_i|
+    ("grpo", {"beta": 0.0}, 7 / 3),  # the per-completion token mean, then the mean: 1/B sum_i 1/|o_i|
     ("dapo", {"loss_agg": "group-token-mean"}, 5.0),  # seq-mean-token-sum (the group weights ride in the advantages)
     ("dr_grpo", {"beta": 0.0, "max_new_tokens": 5}, 1.0),  # seq-mean-token-sum-norm: 1/B sum_i sum_t / L_max
 ])

@@ -1,5 +1,5 @@
-"""plumbing/tools.py's sandbox as a tool: hostile code costs its call an error line and the run nothing, honest code runs
-(preloaded and lazily imported modules, files in its own folder), a call's changes never reach the next call, the
+"""plumbing/tools.py's sandbox as a tool: hostile code costs its call an error line and the run nothing, honest code
+runs (preloaded and lazily imported modules, files in its own folder), a call's changes never reach the next call, the
 start-up warning says what the machine lacks, and the sandbox keeps working without each mechanism. The attacks on
 one call's world from another call are in test_sandbox_attacks.py."""
 

@@ -1,7 +1,7 @@
-"""The tool sandbox (plumbing/tools.py, docs/sandbox.md) against a policy that attacks it: one call's code reaches nothing
-but its own call. The classes of attack, each through several routes (one test case per route): (1) the trainer's
-secrets, (2) earlier calls' data in a call's memory, (3) group-mates' calls, (4) state that outlives a call, (5) the
-machine's loopback services and other sockets, (6) a tree that makes cleanup slow, (7) code planted for the next
+"""The tool sandbox (plumbing/tools.py, docs/sandbox.md) against a policy that attacks it: one call's code reaches
+nothing but its own call. The classes of attack, each through several routes (one test case per route): (1) the
+trainer's secrets, (2) earlier calls' data in a call's memory, (3) group-mates' calls, (4) state that outlives a call,
+(5) the machine's loopback services and other sockets, (6) a tree that makes cleanup slow, (7) code planted for the next
 sandbox process, (8) the checkout and the run folders, (9) group-mates starved through the disk and machine-wide
 quotas, (10) memory outside the call's limit, (11) a call that runs on after its answer, (12) calls that talk through
 the kernel's shared state (locks, inotify, futexes, the page cache, machine-wide counters); tool output tokenized as
@@ -96,11 +96,14 @@ found = set()
 patterns = {{name: re.compile(re.escape(prefix.encode()) + rb'([0-9a-f]{{32}})')
             for name, (prefix, _, _) in targets.items()}}
 for lo, hi in regions():
-    tail = b''
-    for address in range(lo, hi, 65536):
+    tail, address = b'', lo
+    while address < hi:
         n = libc.write(w, address, min(65536, hi - address))  # EFAULT where nothing is mapped: no crash
-        chunk = os.read(r, n) if n > 0 else b''
-        data, tail = tail + chunk, chunk[-64:] if chunk else b''
+        if n <= 0:  # an unmapped page starts the chunk (mappings start on any page): on a page at a time
+            tail, address = b'', address + 4096
+            continue
+        chunk = os.read(r, n)
+        data, tail, address = tail + chunk, chunk[-64:], address + n
         for name, pattern in patterns.items():
             for match in pattern.finditer(data):
                 if unmask(match.group(1), targets[name][1]) == targets[name][2]:
@@ -1072,7 +1075,6 @@ def test_12_a_call_sees_no_machine_wide_memory_counter(lacks):
             "after = shared()\n"
             "print('refused' if before is None else 'moved' if after - before >= 8_000_000 else 'still')")
     assert run([code]) == [("refused\n", "")]
-
 
 
 DEVICE_TIMES = "import os\nprint(os.stat('/dev/DEVICE').st_mtime_ns)"

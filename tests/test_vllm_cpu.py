@@ -31,6 +31,7 @@ from accelerate import Accelerator
 from tests.helpers import resolved
 from grpo import make_batch
 from plumbing.engine import create_engine
+from plumbing.models import load_model, load_tokenizer
 
 torch.set_num_threads(1)
 model_dir = sys.argv[1]  # the embedded model, with sampling defaults that must not leak into rollouts
@@ -40,8 +41,8 @@ config.update(top_k=2, repetition_penalty=3.0, temperature=0.2)
 json.dump(config, open(model_dir + "/generation_config.json", "w"))
 args = resolved(grpo, engine="vllm", model=model_dir, max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
-tokenizer, stop_ids = grpo.load_tokenizer(args.model)
-model = grpo.load_model(args.model, tokenizer).eval()
+tokenizer, stop_ids = load_tokenizer(args.model)
+model = load_model(args.model, tokenizer).eval()
 engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 
@@ -85,12 +86,13 @@ from accelerate import Accelerator
 from tests.helpers import resolved
 from grpo import make_batch
 from plumbing.engine import create_engine
+from plumbing.models import load_model, load_tokenizer
 
 torch.set_num_threads(1)
 args = resolved(grpo_async, engine="vllm", max_new_tokens=48)
 accelerator = Accelerator(cpu=True)
-tokenizer, stop_ids = grpo_async.load_tokenizer(args.model)
-model = grpo_async.load_model(args.model, tokenizer).eval()
+tokenizer, stop_ids = load_tokenizer(args.model)
+model = load_model(args.model, tokenizer).eval()
 engine = create_engine(args.run, args.model, args.seed, args.max_prompt_length + args.max_new_tokens, stop_ids)
 prompts = [tokenizer(p)["input_ids"] for p in ("12+34=", "07+45=", "99+99=", "50+05=")]
 groups = [{"row": i, "version": 0, "completions": [{"token_ids": [], "logprobs": [], "versions": [], "finished": False,
@@ -160,6 +162,7 @@ from accelerate import Accelerator
 from tests.helpers import resolved
 from grpo import make_batch
 from plumbing.engine import create_engine
+from plumbing.models import load_model, load_tokenizer
 from utils.tasks import toy_mul_problems
 from plumbing.tools import PythonSandbox
 
@@ -167,13 +170,13 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 args = resolved(grpo_tools, engine="vllm", model=os.path.join(grpo_tools.TOY_MODEL_DIR, "tools"), max_new_tokens=96)
 accelerator = Accelerator(cpu=True)
-tokenizer, stop_ids = grpo_tools.load_tokenizer(args.model)
-model = grpo_tools.load_model(args.model, tokenizer).eval()
+tokenizer, stop_ids = load_tokenizer(args.model)
+model = load_model(args.model, tokenizer).eval()
 engine = create_engine(args.run, args.model, args.seed,
                        args.max_prompt_length + args.max_new_tokens + args.max_turns * args.max_tool_tokens, stop_ids)
-pushes = []
-push = grpo_tools.push_weights
-grpo_tools.push_weights = lambda *a: (pushes.append(1), push(*a))
+pushes = []  # the engine's weight pushes (one collective_rpc each)
+rpc = engine.llm.collective_rpc
+engine.llm.collective_rpc = lambda *a, **k: (pushes.append(1), rpc(*a, **k))[1]
 prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
 with PythonSandbox(num_workers=1) as sandbox:
     samples, masks, completions, _, _ = grpo_tools.rollout(args, engine, model, tokenizer, sandbox, prompts, 4, 1.0,
@@ -204,12 +207,13 @@ def test_tool_rollouts_on_vllm(tmp_path):
     assert result["gap"] < 1e-3 and result["gap_after_call"] < 1e-3, result
 
 
-BROKEN_PUSH = ("import sys, tyro, grpo; sys.argv = sys.argv[1:]; pushed = []\n"
-               "real = grpo.push_weights\n"
-               "def push_once(*a):  # the engine keeps the weights of its first push: a broken weight sync\n"
-               "    if not pushed:\n"
-               "        pushed.append(1); real(*a)\n"
-               "grpo.push_weights = push_once; grpo.main(tyro.cli(grpo.Args))")
+BROKEN_PUSH = ("import sys, tyro, grpo; from plumbing.engine import Engine; sys.argv = sys.argv[1:]; pushed = []\n"
+               "real = Engine.push_weights\n"
+               "def push_once(engine, model, accelerator, version):  # the engine keeps the weights of its first\n"
+               "    if not pushed:  # push, and counts later ones as done: a broken weight sync\n"
+               "        pushed.append(1); return real(engine, model, accelerator, version)\n"
+               "    engine.weights_version = version; return 0.0\n"
+               "Engine.push_weights = push_once; grpo.main(tyro.cli(grpo.Args))")
 
 
 def test_two_runs_at_once_and_the_stale_weights_alarm_stops_a_broken_push(tmp_path):

@@ -55,7 +55,8 @@ def build_model(vocab_size):
 
 
 def toy_completion(prompt, with_work):
-    """The answer in tags, optionally after the column sums worked out ("07+45=" -> "7+5=12 0+4+1=5 <answer>052</answer>")."""
+    """The answer in tags, optionally after the column sums worked out ("07+45=" -> "7+5=12 0+4+1=5
+    <answer>052</answer>")."""
     a, b = int(prompt[:2]), int(prompt[3:5])
     answer = f"<answer>{a + b:03d}</answer>"
     if not with_work:
@@ -64,7 +65,8 @@ def toy_completion(prompt, with_work):
     return f"{a % 10}+{b % 10}={units} {a // 10}+{b // 10}+{carry}={a // 10 + b // 10 + carry} {answer}"
 
 
-def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, seed=0, work_fraction=0.3, on_step=None):
+def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, seed=0, work_fraction=0.3,
+            on_step=None):
     """Supervised warm-up on train-split problems, loss on the completion tokens only."""
     rows = toy_problems("train")
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +76,8 @@ def warm_up(model, tokenizer, seconds_budget_steps=600, batch_size=64, lr=3e-3, 
         idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
         prompts = [tokenizer(rows[i]["prompt"])["input_ids"] for i in idx]
         with_work = torch.rand(batch_size, generator=gen) < work_fraction
-        completions = [tokenizer(toy_completion(rows[i]["prompt"], w))["input_ids"] + [1] for i, w in zip(idx, with_work)]
+        completions = [tokenizer(toy_completion(rows[i]["prompt"], w))["input_ids"] + [1]
+                       for i, w in zip(idx, with_work)]
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for p, c in zip(prompts, completions)])
         labels = ids.masked_fill(ids == 0, -100)

@@ -99,8 +99,9 @@ def lenient_extractor(answer_format):
 
 def format_reward(text, answer_format):
     """1.0 if the completion gives exactly one answer in the asked-for form, else 0.0: one \\boxed{} followed by fewer
-    than MAX_AFTER_BOX characters ("$.", "\\]", a short closing sentence), or one <answer>...</answer> that ends the text.
-    Only the shape: the scorer also requires the answer to be readable (answer_is_readable and the workers' parse)."""
+    than MAX_AFTER_BOX characters ("$.", "\\]", a short closing sentence), or one <answer>...</answer> that ends the
+    text. Only the shape: the scorer also requires the answer to be readable (answer_is_readable and the workers'
+    parse)."""
     if answer_format == "boxed":  # a closing "$.", "\\]" or short sentence may follow the box
         span = _last_boxed(text)
         return float(text.count("\\boxed{") == 1 and span is not None and len(text) - span[1] <= MAX_AFTER_BOX)
@@ -312,8 +313,8 @@ class RewardScorer:
         num_workers = num_workers or default_reward_workers()  # 0: this process's share of the cores
         self.exact = task in TOY_TASKS  # exact match of the tag content
         self.rg_task = task if task.startswith("rg:") else None  # checked by reasoning-gym's own verifier
-        self.compare_numbers = compare_numbers and not self.rg_task  # settle plain numbers here (False: every check
-        # goes to the workers)
+        # settle plain numbers here (False: every check goes to the workers)
+        self.compare_numbers = compare_numbers and not self.rg_task
         self.extract = extract_answer_tag if self.exact else EXTRACTORS[answer_format]
         if lenient:  # the last number where the asked-for form is missing (prior tasks' evaluation, never a reward)
             self.extract = lenient_extractor("answer_tags" if self.exact else answer_format)
@@ -336,8 +337,8 @@ class RewardScorer:
         entries = {}  # for a reasoning-gym task: gold key -> the entry its verifier reads
         for i, (answer, row) in enumerate(zip(answers, golds)):
             gold = row if isinstance(row, str) else row["answer"]
-            if answer is None or not answer.strip() or PLACEHOLDER.fullmatch(answer.strip()):  # none, empty, or the
-                # instruction's placeholder: nothing to check or to read
+            # none, empty, or the instruction's placeholder: nothing to check or to read
+            if answer is None or not answer.strip() or PLACEHOLDER.fullmatch(answer.strip()):
                 job.counts["no_answer"] += 1
                 continue
             if self.exact or self.rg_task:  # string checkers: the format needs a non-empty answer of the gold's kind
