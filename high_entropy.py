@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from plumbing.engine import HFDecoder, Sample, create_engine
 from plumbing.evaluation import Evaluation
 from plumbing.memory import print_memory_estimate
-from plumbing.models import output_layer
+from plumbing.models import output_layer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, load_models
 from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_positive, check_run_args,
                           largest_divisor, peak_memory, start_run, step_times, tail_fraction)
@@ -480,7 +480,8 @@ def main(args):
 
 def resolve_args(args, num_processes):
     """The defaults that depend on the model (each field's doc states its rule), then every check: bad input becomes
-    one line that says what to change, before any model loads (plumbing/run.py start_run calls it)."""
+    one line that says what to change, before any model loads (plumbing/run.py start_run calls it). A GGUF model is
+    converted here on first use."""
     embedded = is_toy_shaped(args.model)
     if args.learning_rate is None:
         args.learning_rate = 5e-4 if embedded else 1e-6
@@ -500,6 +501,7 @@ def resolve_args(args, num_processes):
     check_batch_layout(args.prompts_per_step, args.num_generations, args.num_minibatches, args.micro_batch_size,
                        num_processes)
     check_algorithm_args(args, num_processes)
+    args.model = resolve_model(args.model)  # a GGUF file: converted to a model folder on first use
     return args
 
 

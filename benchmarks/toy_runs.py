@@ -48,6 +48,10 @@ VARIANTS = {  # name: (script, flags)
     "async_no_is": ("grpo_async.py", ["--tis_cap", "0"]),  # the older tokens uncorrected
     "async_token_mask": ("grpo_async.py", ["--tis_mode", "token-mask"]),  # IcePop-style: outside [1/2, 2] masked
     "async_seq_mask": ("grpo_async.py", ["--tis_mode", "seq-mask"]),  # MIS: a sequence outside [1/2, 2] masked
+    "sft": ("sft.py", []),  # the gold answers' log-likelihood
+    "rft": ("sft.py", ["--data", "rft"]),  # the policy's own correct samples
+    "dpo_offline": ("dpo.py", ["--data", "offline"]),  # pairs from the initial policy's samples
+    "dpo_online": ("dpo.py", ["--data", "online"]),  # pairs from the current policy's samples
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch
@@ -87,7 +91,7 @@ def drop_weights(run_dir):
 def step_reaching(rows, target, window=10):
     """The step (1-based) at which the `window`-step moving average of the reward first reaches `target`; None if it
     never does."""
-    rewards = np.array([r["charts/reward"] for r in rows])
+    rewards = np.array([r.get("charts/reward", np.nan) for r in rows])  # (nan never reaches a target)
     return next((end for end in range(window, len(rows) + 1) if rewards[end - window:end].mean() >= target), None)
 
 
@@ -125,15 +129,15 @@ def write_results(name, lines, out=None):
 
 def summarize(result, target):
     rows = result["rows"]
-    rewards = [r["charts/reward"] for r in rows]
+    mean = lambda key, part: np.mean([r.get(key, np.nan) for r in part])  # noqa: E731  (nan: a script that samples
+    # no rollout, dpo.py --data offline or file, logs no charts/*)
     evals = [r for r in rows if "eval/pass@1_greedy" in r]
     sampled_key = next(k for k in evals[-1] if k.startswith("eval/pass@1_sampled"))
     return {
-        "reward_first5": np.mean(rewards[:5]), "reward_last5": np.mean(rewards[-5:]),
-        "accuracy_last5": np.mean([r["charts/accuracy"] for r in rows[-5:]]),
-        "format_last5": np.mean([r["charts/format"] for r in rows[-5:]]),
-        "length_first5": np.mean([r["charts/completion_length"] for r in rows[:5]]),
-        "length_last5": np.mean([r["charts/completion_length"] for r in rows[-5:]]),
+        "reward_first5": mean("charts/reward", rows[:5]), "reward_last5": mean("charts/reward", rows[-5:]),
+        "accuracy_last5": mean("charts/accuracy", rows[-5:]), "format_last5": mean("charts/format", rows[-5:]),
+        "length_first5": mean("charts/completion_length", rows[:5]),
+        "length_last5": mean("charts/completion_length", rows[-5:]),
         "greedy_end": evals[-1]["eval/pass@1_greedy"], "sampled_end": evals[-1][sampled_key],
         "gap_max": max(r.get("rollout/logprob_gap_max", 0.0) for r in rows),  # dapo: absent when nothing trained
         **{p: np.median([r[p] for r in rows]) for p in PHASES},

@@ -114,9 +114,10 @@ def load_model(model_name, tokenizer):
 
 def output_layer(model, accelerator):
     """The model's output layer as the trainer's log-prob pass calls it -> (logits(h): the last hidden states (n, H)
-    to float32 logits z (n, V), V). As the model's own forward computes them: the matmul in the dtype the model runs
-    in (its autocast: bf16 on a GPU), Gemma 2's soft cap (cap tanh(z / cap)) applied; through the layer's weight, not
-    the module (under FSDP2 a second call of the module would run its sharding hooks again)."""
+    to float32 (or, for a float64 model, float64) logits z (n, V), V). As the model's own forward computes them: the
+    matmul in the dtype the model runs in (its autocast: bf16 on a GPU), Gemma 2's soft cap (cap tanh(z / cap)) applied;
+    through the layer's weight, not the module (under FSDP2 a second call of the module would run its sharding hooks
+    again)."""
     import torch
 
     inner = getattr(model, "module", model)  # DDP holds the model in .module
@@ -124,7 +125,8 @@ def output_layer(model, accelerator):
 
     def logits(h):
         with accelerator.autocast():
-            z = torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias).float()
+            z = torch.nn.functional.linear(h.to(head.weight.dtype), head.weight, head.bias)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))  # bf16 -> float32; a float64 model's stays so
         return softcap * torch.tanh(z / softcap) if softcap else z
 
     return logits, head.weight.shape[0]
@@ -172,3 +174,17 @@ def gradient_checkpointing(model, setting, model_name):
     apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, layers), checkpoint_wrapper_fn=(
         partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)))
     return model
+
+
+def check_same_vocabulary(teacher, student):
+    """A teacher's next-token distribution is compared with the student's token by token: both tokenizers must map
+    the same strings to the same ids, and both output layers have as many rows (opd.py). A one-line ValueError if
+    not. teacher, student: model folders (a GGUF teacher resolved first)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    sizes = [AutoConfig.from_pretrained(model).vocab_size for model in (teacher, student)]
+    if sizes[0] != sizes[1] or AutoTokenizer.from_pretrained(teacher).get_vocab() != AutoTokenizer.from_pretrained(
+            student).get_vocab():
+        raise ValueError(f"--teacher {teacher}: its vocabulary ({sizes[0]} outputs) is not the student's ({sizes[1]} "
+                         "outputs, --model): distillation compares their distributions token by token; use a teacher "
+                         "of the student's tokenizer")

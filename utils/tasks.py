@@ -305,3 +305,61 @@ def load_splits(task, tokenizer, answer_format, instruction, max_prompt_length, 
                          "more test rows")
     return train, test, (f"task {task}: {len(train)} train / {len(test)} test prompts; dropped at load: train "
                          f"{train_counts}, test {test_counts}")
+
+
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def load_preferences(source, tokenizer, answer_format, instruction, max_prompt_length, max_completion_length):
+    """Preference pairs in TRL's format (dpo.py --data file) -> (rows, a one-line summary). source: a local
+    .jsonl/.json/.parquet file or a hub dataset name (its train split) with columns prompt, chosen, rejected, each plain
+    text, or conversational: prompt a list of {role, content} messages, chosen and rejected one assistant message each
+    (a one-message list). A plain prompt gets the chat template with the answer-format instruction, as every task's
+    question does (format_prompt); a conversational one gets the template as it is. Rows: {"prompt": the formatted
+    text, "question": the prompt as given, "chosen", "rejected": token ids, the end-of-text token appended}.
+    Completions longer than max_completion_length tokens are cut to it (counted in the summary); a missing column, an
+    empty completion or a prompt longer than max_prompt_length is a ValueError naming the row."""
+    import datasets
+
+    extension = os.path.splitext(source)[1]
+    try:
+        if os.path.exists(source):
+            if extension not in DATA_EXTENSIONS:
+                raise ValueError(f"expected one of {sorted(DATA_EXTENSIONS)}")
+            data = datasets.load_dataset(DATA_EXTENSIONS[extension], data_files=[source], split="train")
+        else:
+            data = datasets.load_dataset(source, split="train")
+    except Exception as e:  # a bad file, no network and no cache: one line
+        raise ValueError(f"--pairs {source}: could not load it ({type(e).__name__}: {str(e)[:200]})") from None
+    missing = [c for c in PREFERENCE_COLUMNS if c not in data.column_names]
+    if missing:
+        raise ValueError(f"--pairs {source}: no column {', '.join(missing)} (TRL's preference format: prompt, chosen, "
+                         "rejected)")
+    rows, cut = [], {"chosen": 0, "rejected": 0}
+    for number, row in enumerate(data, 1):
+        prompt = row["prompt"]
+        if isinstance(prompt, list):  # conversational: the template as it is
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) if getattr(
+                tokenizer, "chat_template", None) else "".join(m["content"] for m in prompt)
+            question = prompt[-1]["content"]
+        else:
+            text, question = format_prompt(tokenizer, prompt, answer_format, instruction), prompt
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if length > max_prompt_length:
+            raise ValueError(f"--pairs {source}: row {number}'s prompt has {length} tokens, over --max_prompt_length "
+                             f"{max_prompt_length}: raise it, or leave the row out")
+        out = {"prompt": text, "question": question}
+        for column in ("chosen", "rejected"):
+            completion = row[column]
+            content = completion[-1]["content"] if isinstance(completion, list) and completion else completion
+            if not isinstance(content, str) or not content.strip():
+                raise ValueError(f"--pairs {source}: row {number}'s {column} is empty: every pair needs both "
+                                 "completions")
+            ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+            cut[column] += len(ids) > max_completion_length - 1  # (room for the end-of-text token)
+            out[column] = ids[:max_completion_length - 1] + [tokenizer.eos_token_id]
+        rows.append(out)
+    if not rows:
+        raise ValueError(f"--pairs {source}: no rows")
+    return rows, (f"pairs {source}: {len(rows)} rows; cut to --max_new_tokens: chosen {cut['chosen']}, "
+                  f"rejected {cut['rejected']}")
