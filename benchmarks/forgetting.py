@@ -5,8 +5,9 @@ SFT, and the forward KL to the base policy on the new task predicts forgetting, 
     python benchmarks/forgetting.py                       # the SmolLM2 settings below
     python benchmarks/forgetting.py --methods grpo:1e-5 sft:3e-6 sft:1e-6 rft:1e-5 --seeds 1 2 --steps 40
 
-Every run is a script of this repository in a subprocess (`grpo.py`, `sft.py --data gold`, `sft.py --data rft`) with
-the shared settings, tracking the prior tasks and the forward KL at every evaluation (--prior_tasks, --kl_prompts:
+Every run is a script of this repository in a subprocess (`grpo.py`, `sft.py --data gold`, `sft.py --data rft`,
+`dpo.py --data offline` (a pool of --steps x 4 prompts) and `--data online`, `opd.py --teacher`) with the shared
+settings, tracking the prior tasks and the forward KL at every evaluation (--prior_tasks, --kl_prompts:
 plumbing/evaluation.py Tracking); the untrained model is evaluated once with --eval_only. A method is NAME:LR. Runs
 go `--parallel` at a time, each on `--threads` threads. Writes benchmarks/results/<name>.md and .png: per method,
 learning rate and evaluation step, the mean and standard error over seeds of the new task's greedy accuracy, each
@@ -38,7 +39,10 @@ SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", 
             "--prompts_per_step", "4", "--num_generations", "8", "--max_new_tokens", "64", "--eval_size", "50",
             "--eval_samples", "1", "--prior_eval_size", "50", "--kl_prompts", "32", "--save_every", "0",
             "--log_completions_every", "10"]
-METHODS = {"grpo": ("grpo.py",), "sft": ("sft.py", "--data", "gold"), "rft": ("sft.py", "--data", "rft")}
+METHODS = {"grpo": ("grpo.py",), "sft": ("sft.py", "--data", "gold"), "rft": ("sft.py", "--data", "rft"),
+           "dpo_offline": ("dpo.py", "--data", "offline"),  # pairs from the untrained model's samples (a pool of
+           "dpo_online": ("dpo.py", "--data", "online"),  # --steps x 4 prompts), or from the current policy's
+           "opd": ("opd.py",)}  # distilling --teacher
 
 
 def run(exp, script_flags, flags, out_dir, seed, reuse):
@@ -85,6 +89,7 @@ def main():
     parser.add_argument("--prior_tasks", nargs="+", default=PRIOR_TASKS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    parser.add_argument("--teacher", default=None, help="opd: the teacher model folder")
     parser.add_argument("--name", default="forgetting_smollm2")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
     parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
@@ -102,9 +107,12 @@ def main():
     train = [*shared, "--total_steps", str(args.steps), "--eval_every", str(args.eval_every)]
     base_rows, _ = run("base", METHODS["grpo"], [*shared, "--eval_only"], out_dir, 1, args.reuse)
     base = base_rows[-1]
+    if "opd" in dict(methods) and args.teacher is None:
+        raise SystemExit("error: --methods opd distills a teacher: pass --teacher MODEL_FOLDER")
+    own = {"dpo_offline": ["--offline_prompts", str(args.steps * 4)], "opd": ["--teacher", str(args.teacher)]}
     jobs = [(name, lr, seed) for seed in args.seeds for name, lr in methods]  # every method once, then again
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda job: run(f"{job[0]}_lr{job[1]}", METHODS[job[0]], [
+        results = list(pool.map(lambda job: run(f"{job[0]}_lr{job[1]}", (*METHODS[job[0]], *own.get(job[0], [])), [
             *train, "--learning_rate", job[1]], out_dir, job[2], args.reuse), jobs))
     keys = prior_keys(args.prior_tasks)
     base_prior = np.mean([base[k] for k in keys])

@@ -395,3 +395,34 @@ def test_forgetting_and_update_spectrum_run_on_the_toy(tmp_path):
         overlap, bf16_changed, float32_changed = float(row[2]), float(row[7]), float(row[8])
         assert 0 < overlap <= 1 and 0 < bf16_changed <= float32_changed <= 1
     assert (tmp_path / "spectrum.png").exists()
+
+
+@pytest.mark.slow
+def test_dpo_against_trl_runs_on_the_toy(tmp_path):
+    """benchmarks/vs_trl_dpo.py at its tiny size: dpo.py and TRL's DPOTrainer on the shipped toy pairs, one round."""
+    out = run_benchmark(["benchmarks/vs_trl_dpo.py", "--steps", "3", "--rounds", "1", "--pairs_per_step", "8",
+                         "--threads", "1", "--name", "vtd", "--out", str(tmp_path)], tmp_path)
+    rows = table_rows(out, 4)
+    assert [row[:2] for row in rows[2:]] == [["dpo.py", "1"], ["TRL DPOTrainer", "1"]]
+    assert all(float(row[2]) > 0 and row[3] == "3" for row in rows[2:]) and "dpo.py / TRL" in out
+
+
+@pytest.mark.slow
+def test_distillation_cost_and_forgetting_with_dpo_and_opd_run_on_the_toy(tmp_path):
+    """benchmarks/distill_cost.py at its tiny size (a 2-step teacher, one seed, opd.py and grpo.py), then
+    benchmarks/forgetting.py with the DPO and distillation methods on the embedded model."""
+    runs = tmp_path / "runs"
+    tiny = ["--eval_size", "4", "--prior_eval_size", "2", "--kl_prompts", "2", "--prompts_per_step", "2",
+            "--num_generations", "4", "--max_new_tokens", "32"]
+    out = run_benchmark(["benchmarks/distill_cost.py", "--teacher_steps", "2", "--seeds", "1", "--steps", "2",
+                         "--eval_every", "1", "--name", "dc", "--out_dir", str(runs), "--", *tiny], tmp_path)
+    rows = table_rows(out, 9)
+    assert [row[:2] for row in rows[2:]] == [["opd", "1"], ["grpo", "1"]] and "- opd: step" in out
+    teacher = runs / "dc" / "teacher__1" / "final"
+    out = run_benchmark(["benchmarks/forgetting.py", "--methods", "dpo_offline:5e-4", "dpo_online:5e-4", "opd:5e-4",
+                         "--teacher", str(teacher), "--seeds", "1", "--steps", "2", "--eval_every", "2",
+                         "--prior_tasks", "toy_mul", "--name", "forget", "--out_dir", str(runs), "--", "--model",
+                         "toy_model", "--task", "toy", *tiny], tmp_path)
+    rows = table_rows(out, 9)
+    assert [row[:3] for row in rows[3:]] == [["dpo_offline", "5e-4", "2"], ["dpo_online", "5e-4", "2"],
+                                             ["opd", "5e-4", "2"]]

