@@ -459,8 +459,11 @@ def main():
         lines += [(f"| {name} | {r['bits']} | {r['shift']} | {r['cpu']:.2f} | {r['pipes']:.0f} | {r['right']}/"
                    f"{r['symbols']} | {r['stopped']}/{args.trials} | {r['passed']:.1f} |").replace("nan", "-")
                   for r in rows]
+    bound = math.log2(math.comb(MAX_PIPES_SOCKETS + len(cpus), len(cpus)))
     lines += ["", f"The cap: {MAX_PIPES_SOCKETS} pipes and sockets a call; the CPU limit {cpu_limit(TIMEOUT)} s (a "
-              "sender stopped at it counts those seconds).", ""]
+              "sender stopped at it counts those seconds). Whatever the noise, a call that makes n_c of them on CPU c "
+              f"(their sum at most {MAX_PIPES_SOCKETS}) leaves the next call one of at most C({MAX_PIPES_SOCKETS} + "
+              f"{len(cpus)}, {len(cpus)}) states of these CPUs' counters to tell apart: {bound:.1f} bits.", ""]
 
     # (b)
     page_rows, notes = page_cache(args.pages, args.reclaim_mb, rng)

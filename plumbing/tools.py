@@ -16,10 +16,11 @@ that kills or freezes its group-mates' calls raises its own advantage). So each 
 of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests on):
 
 - `num_workers` sandbox processes: fresh interpreters started isolated (python -I: no current folder or user site on
-  sys.path, PYTHON* variables ignored; an empty environment), never forks of the trainer, so they hold none of its
-  data or secrets. Each imports `modules` and builds the calls' view once, then only forks: a call's code reaches its
-  child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox process, so no
-  child holds another call's data.
+  sys.path, PYTHON* variables ignored; an environment of THREADS alone: one BLAS and OpenMP thread), never forks of
+  the trainer, so they hold none of its data or secrets. Each imports `modules` and sqlite3 (its locks: a folder
+  beside the database, since fcntl's are refused) and builds the calls' view once, then only forks: a call's code
+  reaches its child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox
+  process, so no child holds another call's data.
 - A call's child is the first process of fresh PID, mount, IPC, UTS and network namespaces (NETWORK): it sees no
   other process (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin,
   /lib*, the Python installation and five devices (read-only binds: their timestamps stay the machine's), with a
@@ -27,17 +28,19 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   with the call, whatever is in it. The checkout, the run folders, $HOME, /etc, /proc and /sys are not there.
 - A root trainer's call runs as a user no other running call has (UID_BASE + its sandbox process's pid); a non-root
   trainer's calls run as its user, in a user namespace, without capabilities.
-- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, `timeout` seconds of
-  CPU (RLIMIT_CPU, whole seconds: it also stops C code, a regex backtracking, a huge integer power), and a kill past
-  wall_limit(timeout) seconds for code that waits instead (a sleep, a blocking read). A call is timed by the CPU it
-  uses, not by the wall clock: on a loaded machine an honest call that waits for a core is not cut.
+- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, at most
+  MAX_PIPES_SOCKETS pipes and sockets made (the counting filter: their inode numbers come from a machine-wide
+  counter, which a call that makes many sets for a later call to read), `timeout` seconds of CPU (RLIMIT_CPU, whole
+  seconds: it also stops C code, a regex backtracking, a huge integer power), and a kill past wall_limit(timeout)
+  seconds for code that waits instead (a sleep, a blocking read). A call is timed by the CPU it uses, not by the
+  wall clock: on a loaded machine an honest call that waits for a core is not cut.
 - A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
   Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs; and the kernel state calls would otherwise share:
   disk I/O a call does not wait for and page-cache eviction (AIO, io_uring, readahead, fadvise, O_DIRECT, sync), the
   machine-wide AIO quota and counters (sysinfo, socket cookies), locks, leases and notifications on the view's
-  files, shared futexes, page-cache probes, socket buffers above the default size, IPv6 flow labels (they outlive
-  their socket and are counted machine-wide).
+  files, shared futexes, page-cache probes (RWF_NOWAIT, RWF_DONTCACHE, mincore, cachestat), socket buffers above the
+  default size, IPv6 flow labels (they outlive their socket and are counted machine-wide).
 - Cgroups (a root trainer): each sandbox process's calls run in a memory cgroup of their own (memory_mb, copies of
   the sandbox process's pages, the call's /tmp and its kernel memory, socket buffers included: a call past it is
   killed, a MemoryError line), and in a pids cgroup (the call alone) and a blkio cgroup (IO_READ_BPS, IO_READ_IOPS a
@@ -1239,8 +1242,8 @@ def _outcome(data, status, max_chars, timeout):
     if status == "timeout":
         return "", f"TimeoutError: the code waited for more than {wall_limit(timeout):g} s and was stopped"
     if status == "pipes":
-        return "", (f"OSError: the code made more than {MAX_PIPES_SOCKETS} pipes and sockets (the sandbox's limit for a "
-                    "call) and was stopped")
+        return "", (f"OSError: the code made more than {MAX_PIPES_SOCKETS} pipes and sockets (the sandbox's limit "
+                    "for a call) and was stopped")
     if status == "memory":
         return "", ("MemoryError: the code's memory (kernel buffers and /tmp included) passed its limit and it was "
                     "stopped")
