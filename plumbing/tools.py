@@ -908,10 +908,10 @@ class _CappedText(io.TextIOBase):
 
 
 def _serve(channel_fd, config, leaf):
-    """A sandbox process: a fresh interpreter, started isolated (python -I, an empty environment, not in the
-    trainer's folder), never a fork of the trainer. It imports `modules`, takes its limits, sets up its _World, makes
-    two test calls, answers [why it cannot run calls or "", a warning or ""] on its channel (a Unix socket to the
-    trainer), then serves calls (_serve_calls)."""
+    """A sandbox process: a fresh interpreter, started isolated (python -I, an environment of THREADS alone, not in
+    the trainer's folder), never a fork of the trainer. It imports `modules` and sqlite3, takes its limits, sets up
+    its _World, makes two test calls, installs the counting filter (_Counter), answers [why it cannot run calls or "",
+    a warning or "", what it lacks] on its channel (a Unix socket to the trainer), then serves calls (_serve_calls)."""
     modules, memory_bytes, file_bytes, max_chars, timeout, folder, hidden, without, cgroups = json.loads(config)
     channel = socket.socket(fileno=channel_fd)
     devnull = os.open(os.devnull, os.O_RDWR)

@@ -325,6 +325,7 @@ def test_sandbox_calls_times_every_module_set(tmp_path):
                                         "math, fractions, statistics, numpy, sympy"] and "--calls 4" in out
 
 
+@pytest.mark.slow
 def test_sandbox_channels_measures_each_channel_at_a_tiny_size(tmp_path):
     """benchmarks/sandbox_channels.py end to end on one CPU, one trial of 1- and 2-bit symbols, 8 pages, 8 slots: every
     table has its rows, and where a receiver reads the page cache first (or with RWF_DONTCACHE, the filter left out)

@@ -127,7 +127,7 @@ def test_a_python_environment_under_tmp_is_refused_at_start():
 def test_the_warning_says_what_the_run_lacks():
     """Each mechanism left out (as on a machine that does not allow it) is named in the one-line warning, and the
     sandbox still runs calls; with every mechanism left out it runs as a plain child per call."""
-    for name in ("net", "ipc", "seccomp", "cgroup"):
+    for name in ("net", "ipc", "seccomp", "cgroup", "pipe cap"):
         with PythonSandbox(num_workers=1, timeout=2.0, _without=(name,)) as sandbox:
             assert LACKS[name] in sandbox.warning and "\n" not in sandbox.warning
             assert sandbox.run(["print(6 * 7)"]) == [("42\n", "")]

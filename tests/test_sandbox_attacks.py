@@ -601,7 +601,7 @@ def test_7_a_module_a_call_plants_in_the_trainers_folder_never_runs(writable_fol
 @pytest.mark.parametrize("where", ["working folder", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONHOME"])
 def test_7_a_sandbox_process_starts_isolated(writable_folder, monkeypatch, where):
     """Modules planted some other way, in the trainer's folder or where the trainer's environment points: a sandbox
-    process imports none of them (python -I, an empty environment, started in /)."""
+    process imports none of them (python -I, an environment of THREADS alone, started in /)."""
     work, other, marker = writable_folder
     body = f"open({marker!r}, 'a').write(__name__ + '\\n')\n"
     folder = work if where == "working folder" else other
