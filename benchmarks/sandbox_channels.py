@@ -1,8 +1,8 @@
 """What the channels the tool sandbox leaves open carry from one call to a later one, measured on this machine
 (docs/sandbox.md, "Shared kernel state: what is closed, what remains").
 
-    python benchmarks/sandbox_channels.py [--trials N] [--bits K ...] [--cpus N] [--pages N] [--reclaim_mb MB]
-                                          [--slots N] [--slot_ms MS ...]
+    python benchmarks/sandbox_channels.py [--trials N] [--bits K ...] [--below B ...] [--cpus N] [--pages N]
+                                          [--reclaim_mb MB] [--slots N] [--slot_ms MS ...]
 
 Each channel is used as a policy would use it: a sender call and a receiver call in grpo_tools.py's sandbox
 (plumbing/tools.py with grpo_tools.py's defaults: 5 s of CPU, 512 MB, math, fractions and statistics preloaded), the
@@ -10,13 +10,13 @@ receiver printing what it observes, decoded here.
 
 (a) The inode counter of pipes and sockets (the kernel's get_next_ino: per CPU, in batches of 1024). Calibration
     calls first: a call reads one pipe's number on each CPU and the next call does the same; the difference there is
-    the offset a sender must allow for, its spread the bits it must leave below its symbol. The sender pins itself to
-    each CPU in turn and makes pipes until the number the next call's pipe there will take (its own last one plus the
-    offset) holds its K-bit symbol above the spread; the next call reads one pipe on each CPU. Per K: the sender's
-    CPU seconds and pipes (medians), the symbols decoded, and the bits a call passes to the next one: the information
-    of an M-ary symmetric channel, K - H(p) - p log2(2^K - 1) a CPU for a symbol error rate p. Without the cap on
-    pipes and sockets (the cost of each bit), and in the sandbox as it is (at most MAX_PIPES_SOCKETS a call), where
-    senders also try symbols nearer the noise (fewer bits below them: fewer pipes, more errors).
+    the offset a sender allows for (its spread, what the sandbox, the trainer and other processes make in between,
+    is the noise). The sender pins itself to each CPU in turn and makes pipes until the number the next call's pipe
+    there will take (its own last one plus the offset) holds its K-bit symbol with --below bits under it (more: fewer
+    errors from the noise, twice the pipes a bit); the next call reads one pipe on each CPU. Per K and bits below:
+    the sender's CPU seconds and pipes (medians), the symbols decoded, and the bits a call passes to the next one:
+    the information of an M-ary symmetric channel, K - H(p) - p log2(2^K - 1) a CPU for a symbol error rate p. In the
+    sandbox as it is (at most MAX_PIPES_SOCKETS pipes and sockets a call) and without that cap.
 (b) The page cache of the view's files. The sender reads the pages of its 1 bits, pages no one has cached (checked
     here with mincore where this process may: root); a later call times a read of each page and reads a 1 where it
     took at most 10 times a cached read (the median of 32 reads of a page every call has cached; a read from the disk
@@ -27,8 +27,8 @@ receiver printing what it observes, decoded here.
     system-call filter, the receivers reading with RWF_DONTCACHE where the kernel has it (it leaves an uncached page
     uncached).
 (c) CPU contention: two concurrent calls pinned to one CPU; in each slot of --slot_ms the sender spins (1) or sleeps
-    (0), the receiver counts its own loop's iterations (1: fewer than their mean). Bits decoded and the binary
-    symmetric channel's rate, (1 - H(p)) bits a slot.
+    (0), the receiver counts its own loop's iterations (1: fewer than a cut between the two groups of counts). Bits
+    decoded and the binary symmetric channel's rate, (1 - H(p)) bits a slot.
 
 Writes benchmarks/results/sandbox_channels.md.
 """
@@ -414,9 +414,13 @@ def contention(box, cpu, slots, slot_s, rng):
     sent, received = box.run([fill(CONTEND_SEND, BITS=bits, **values), fill(CONTEND_RECEIVE, SLOTS=slots, **values)])
     assert not sent[1] and not received[1], (sent, received)
     counts = json.loads(received[0])
-    mean = statistics.mean(counts)
-    right = sum((count < mean) == bool(bit) for count, bit in zip(counts, bits))
-    return right
+    cut = statistics.mean(counts)
+    for _ in range(20):  # two means: the cut halfway between the slots below it and those above
+        low, high = [c for c in counts if c < cut], [c for c in counts if c >= cut]
+        if not low or not high:
+            break
+        cut = (statistics.mean(low) + statistics.mean(high)) / 2
+    return sum((count < cut) == bool(bit) for count, bit in zip(counts, bits))
 
 
 def main():
@@ -424,6 +428,8 @@ def main():
     parser.add_argument("--trials", type=int, default=5, help="sender and receiver calls per K (inode counter)")
     parser.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 6, 8, 10, 12, 14, 16],
                         help="bits a CPU the inode counter's sender sends (K)")
+    parser.add_argument("--below", type=int, nargs="+", default=[1, 3, 5, 7],
+                        help="bits the inode counter's sender leaves below its symbol (for the noise)")
     parser.add_argument("--cpus", type=int, default=0, help="CPUs the inode counter's calls use (0: all)")
     parser.add_argument("--calibration", type=int, default=5, help="pairs of calls that measure the offset")
     parser.add_argument("--pages", type=int, default=2048, help="bits a message through the page cache")
@@ -443,9 +449,8 @@ def main():
         with sandbox(_without=without) as box:
             lacks = box.lacks if not without else lacks
             offsets, spread = calibrate(box, cpus, args.calibration)
-            shift = spread.bit_length() + 1  # the symbol above the bits the spread may change
-            rows = []  # under the cap, fewer bits below the symbol too: fewer pipes, more errors
-            for below in range(1, shift + 1) if not without else [shift]:
+            rows = []  # more bits below the symbol: fewer errors, more pipes
+            for below in args.below:
                 rows += inode_sweep(box, cpus, offsets, spread, below, args.bits, args.trials, rng)
             inode_rows[name] = (offsets, spread, rows)
     measured = "; ".join(f"{name}: {offsets}, ±{spread}" for name, (offsets, spread, _) in inode_rows.items())
@@ -459,6 +464,10 @@ def main():
         lines += [(f"| {name} | {r['bits']} | {r['shift']} | {r['cpu']:.2f} | {r['pipes']:.0f} | {r['right']}/"
                    f"{r['symbols']} | {r['stopped']}/{args.trials} | {r['passed']:.1f} |").replace("nan", "-")
                   for r in rows]
+    best = {name: max(rows, key=lambda r: r["passed"]) for name, (_, _, rows) in inode_rows.items()}
+    lines += ["", "The most a call passed to the next: " + "; ".join(
+        f"{name}, {r['passed']:.1f} bits ({r['bits']} a CPU, {r['shift']} below, the sender's CPU {r['cpu']:.2f} s)"
+        for name, r in best.items()) + "."]
     bound = math.log2(math.comb(MAX_PIPES_SOCKETS + len(cpus), len(cpus)))
     lines += ["", f"The cap: {MAX_PIPES_SOCKETS} pipes and sockets a call; the CPU limit {cpu_limit(TIMEOUT)} s (a "
               "sender stopped at it counts those seconds). Whatever the noise, a call that makes n_c of them on CPU c "
