@@ -1,6 +1,6 @@
 """What a tool call costs in grpo_tools.py's sandbox (plumbing/tools.py), by the modules its processes import at start.
 
-    python benchmarks/sandbox_calls.py [--baseline PATH] [--rounds N]
+    python benchmarks/sandbox_calls.py [--baseline PATH] [--rounds N] [--name NAME]
 
 Each call runs in a child forked for it (in namespaces of its own), so the call's cost grows with the size of the
 sandbox process it is forked from. For each module set: start the sandbox (two processes, as grpo_tools.py has on a
@@ -8,7 +8,7 @@ sandbox process it is forked from. For each module set: start the sandbox (two p
 the ratio to the first set. With --baseline, another checkout's sandbox (e.g. `git worktree add /tmp/base HEAD~3`) is
 timed in the same run, each measurement a fresh process, the two checkouts alternating for --rounds rounds (medians
 over rounds), and the ratio of this checkout's cost to the baseline's is added. Writes
-benchmarks/results/sandbox_calls.md.
+benchmarks/results/NAME.md (sandbox_calls.md).
 """
 
 import argparse
@@ -57,6 +57,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3, help="rounds of alternating measurements (with --baseline)")
     parser.add_argument("--calls", type=int, default=256, help="calls per run (256: a late toy step's count)")
     parser.add_argument("--repeats", type=int, default=5, help="runs timed per module set (the median)")
+    parser.add_argument("--name", default="sandbox_calls", help="the results file's name")
     args = parser.parse_args()
     checkouts = {"this": ROOT, **({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})}
     runs = {name: [] for name in checkouts}
@@ -82,7 +83,8 @@ def main():
                                                                        else "")
     command = "python benchmarks/sandbox_calls.py" + sizes + (f" --baseline BASELINE --rounds {args.rounds}"
                                                               if args.baseline else "")
-    lines = ["# sandbox_calls", "", f"Command: `{command}` ({os.cpu_count()} CPUs, load average {load:.2f} at the "
+    command += f" --name {args.name}" if args.name != "sandbox_calls" else ""
+    lines = [f"# {args.name}", "", f"Command: `{command}` ({os.cpu_count()} CPUs, load average {load:.2f} at the "
              f"end). Two sandbox processes; {args.calls} calls of `print(347 * 86)` per `run`, median of {args.repeats}"
              + (f", then the median over {args.rounds} rounds alternating with the baseline checkout's sandbox "
                 "(each measurement a fresh process)" if args.baseline else "") + ".", ""]
@@ -92,7 +94,7 @@ def main():
                                 capture_output=True, text=True).stdout.strip()[:100]
         lines += [f"Baseline: {args.baseline_label or commit or checkouts['baseline']}.", ""]
     lines += [header, "|---|---|---|---|---|" + ("---|---|" if args.baseline else ""), *rows]
-    write_results("sandbox_calls", lines)
+    write_results(args.name, lines)
 
 
 if __name__ == "__main__":

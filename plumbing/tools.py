@@ -16,10 +16,11 @@ that kills or freezes its group-mates' calls raises its own advantage). So each 
 of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests on):
 
 - `num_workers` sandbox processes: fresh interpreters started isolated (python -I: no current folder or user site on
-  sys.path, PYTHON* variables ignored; an empty environment), never forks of the trainer, so they hold none of its
-  data or secrets. Each imports `modules` and builds the calls' view once, then only forks: a call's code reaches its
-  child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox process, so no
-  child holds another call's data.
+  sys.path, PYTHON* variables ignored; an environment of THREADS alone: one BLAS and OpenMP thread), never forks of
+  the trainer, so they hold none of its data or secrets. Each imports `modules` and sqlite3 (its locks: a folder
+  beside the database, since fcntl's are refused) and builds the calls' view once, then only forks: a call's code
+  reaches its child in a memfd and the answer goes to the trainer through a pipe, neither read by the sandbox
+  process, so no child holds another call's data.
 - A call's child is the first process of fresh PID, mount, IPC, UTS and network namespaces (NETWORK): it sees no
   other process (and can signal none), no network but a loopback that is down, and a read-only view of /usr, /bin,
   /lib*, the Python installation and five devices (read-only binds: their timestamps stay the machine's), with a
@@ -27,17 +28,19 @@ of Linux's mechanisms (docs/sandbox.md states each guarantee and what it rests o
   with the call, whatever is in it. The checkout, the run folders, $HOME, /etc, /proc and /sys are not there.
 - A root trainer's call runs as a user no other running call has (UID_BASE + its sandbox process's pid); a non-root
   trainer's calls run as its user, in a user namespace, without capabilities.
-- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, `timeout` seconds of
-  CPU (RLIMIT_CPU, whole seconds: it also stops C code, a regex backtracking, a huge integer power), and a kill past
-  wall_limit(timeout) seconds for code that waits instead (a sleep, a blocking read). A call is timed by the CPU it
-  uses, not by the wall clock: on a loaded machine an honest call that waits for a core is not cut.
+- Limits: address space, file size, no process or thread (RLIMIT_NPROC 0), MAX_OPEN_FILES, at most
+  MAX_PIPES_SOCKETS pipes and sockets made (the counting filter: their inode numbers come from a machine-wide
+  counter, which a call that makes many sets for a later call to read), `timeout` seconds of CPU (RLIMIT_CPU, whole
+  seconds: it also stops C code, a regex backtracking, a huge integer power), and a kill past wall_limit(timeout)
+  seconds for code that waits instead (a sleep, a blocking read). A call is timed by the CPU it uses, not by the
+  wall clock: on a loaded machine an honest call that waits for a core is not cut.
 - A system-call filter (seccomp) refuses keyrings, SysV IPC, POSIX message queues, memfds, ptrace and other
   processes' memory, new user namespaces (no capability comes back), unmount, pivot_root and chroot, sockets but
   Unix, IPv4 and IPv6 ones, and kernel interfaces no tool needs; and the kernel state calls would otherwise share:
   disk I/O a call does not wait for and page-cache eviction (AIO, io_uring, readahead, fadvise, O_DIRECT, sync), the
   machine-wide AIO quota and counters (sysinfo, socket cookies), locks, leases and notifications on the view's
-  files, shared futexes, page-cache probes, socket buffers above the default size, IPv6 flow labels (they outlive
-  their socket and are counted machine-wide).
+  files, shared futexes, page-cache probes (RWF_NOWAIT, RWF_DONTCACHE, mincore, cachestat), socket buffers above the
+  default size, IPv6 flow labels (they outlive their socket and are counted machine-wide).
 - Cgroups (a root trainer): each sandbox process's calls run in a memory cgroup of their own (memory_mb, copies of
   the sandbox process's pages, the call's /tmp and its kernel memory, socket buffers included: a call past it is
   killed, a MemoryError line), and in a pids cgroup (the call alone) and a blkio cgroup (IO_READ_BPS, IO_READ_IOPS a
@@ -73,6 +76,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -184,8 +188,8 @@ _CAPSET = _function("capset", ctypes.c_void_p, ctypes.c_void_p)
 # fadvise, O_DIRECT, sync), machine-wide quotas and counters (AIO contexts, sysinfo), file locks, leases and
 # notifications on the view's files (flock, fcntl's lock commands, inotify, fanotify, dnotify), shared futexes (a
 # futex without FUTEX_PRIVATE_FLAG keys on the file page, shared with every call that maps it), page-cache probes
-# (mincore, cachestat, RWF_NOWAIT), madvise's advice that evicts or fills file pages, socket buffers beyond the
-# machine's default size (SO_SNDBUF, SO_RCVBUF), socket cookies (SO_COOKIE, SO_NETNS_COOKIE: numbers from
+# (mincore, cachestat, RWF_NOWAIT, RWF_DONTCACHE), madvise's advice that evicts or fills file pages, socket buffers
+# beyond the machine's default size (SO_SNDBUF, SO_RCVBUF), socket cookies (SO_COOKIE, SO_NETNS_COOKIE: numbers from
 # machine-wide counters) and IPv6 flow labels (IPV6_FLOWLABEL_MGR: a label lingers seconds after its socket, and the
 # kernel counts them machine-wide).
 _DENIED = ("keyctl", "add_key", "request_key", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl",
@@ -206,7 +210,7 @@ _ENOSYS = ("clone3", "openat2", "futex_waitv", "futex_wake", "futex_wait", "fute
 # never calls them; openat2 and the new futex calls would pass flags the filter cannot read (a struct, per waiter)
 F_GETLK, F_SETLK, F_SETLKW, F_SETFL, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW = 5, 6, 7, 4, 36, 37, 38
 F_SETLEASE, F_GETLEASE, F_NOTIFY = 1024, 1025, 1026
-FUTEX_PRIVATE_FLAG, RWF_NOWAIT = 128, 8
+FUTEX_PRIVATE_FLAG, RWF_NOWAIT, RWF_DONTCACHE = 128, 8, 0x80
 MADV_WILLNEED, MADV_REMOVE, MADV_COLD, MADV_PAGEOUT, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE = (
     3, 9, 20, 21, 22, 23, 25)  # advice that reads file pages in the background or evicts them
 SOL_SOCKET, SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE = 1, 7, 8, 32, 33
@@ -229,7 +233,8 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
         io_getevents=208, io_submit=209, io_cancel=210, io_pgetevents=333, readahead=187, fadvise64=221, sync=162,
         syncfs=306, mincore=27, migrate_pages=256, move_pages=279, sysinfo=99, flock=73, inotify_init=253,
         inotify_init1=294, inotify_add_watch=254, inotify_rm_watch=255, fanotify_mark=301, fcntl=72, open=2,
-        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, getsockopt=55,
+        openat=257, futex=202, madvise=28, preadv2=327, pwritev2=328, setsockopt=54, getsockopt=55, pipe=22,
+        pipe2=293, accept=43, accept4=288, seccomp=317,
         **_NEW_SYSCALLS), 0o40000),
     "aarch64": (0xC00000B7, dict(
         keyctl=219, add_key=217, request_key=218, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
@@ -243,7 +248,8 @@ _SYSCALLS = {  # machine: (seccomp's AUDIT_ARCH, system-call numbers, O_DIRECT)
         io_getevents=4, io_pgetevents=292, readahead=213, fadvise64=223, sync=81, syncfs=267, mincore=232,
         migrate_pages=238, move_pages=239, sysinfo=179, flock=32, inotify_init1=26, inotify_add_watch=27,
         inotify_rm_watch=28, fanotify_mark=263, fcntl=25, openat=56, futex=98, madvise=233, preadv2=286,
-        pwritev2=287, setsockopt=208, getsockopt=209, **_NEW_SYSCALLS), 0o200000),
+        pwritev2=287, setsockopt=208, getsockopt=209, pipe2=59, accept=202, accept4=242, seccomp=277,
+        **_NEW_SYSCALLS), 0o200000),
 }
 SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6)
 
@@ -270,7 +276,8 @@ def _prctl(option, arg=0, arg3=0):
 
 def _syscall(name, *args):
     number = _SYSCALLS[platform.machine()][1][name]
-    _check(_LIBC.syscall(ctypes.c_long(number), *[a if isinstance(a, bytes) else ctypes.c_long(a) for a in args]), name)
+    return _check(_LIBC.syscall(ctypes.c_long(number), *[a if isinstance(a, bytes) else ctypes.c_long(a)
+                                                         for a in args]), name)
 
 
 class _SockFilter(ctypes.Structure):
@@ -324,7 +331,9 @@ def _seccomp_program():
         "madvise": [arg(2), *[step for advice in (MADV_WILLNEED, MADV_REMOVE, MADV_COLD, MADV_PAGEOUT,
                                                   MADV_POPULATE_READ, MADV_POPULATE_WRITE, MADV_COLLAPSE)
                               for step in when(jeq, advice, "deny")], (ret, 0, 0, allow)],
-        "nowait": [arg(5), *when(jset, RWF_NOWAIT, "deny"), (ret, 0, 0, allow)],  # a page-cache probe
+        # page-cache probes: a read that fails where the page is not cached, or one that leaves it uncached (so that
+        # a page carries a bit to every later reader, not to the first)
+        "nowait": [arg(5), *when(jset, RWF_NOWAIT | RWF_DONTCACHE, "deny"), (ret, 0, 0, allow)],
         "setsockopt": [arg(1), *when(jeq, SOL_SOCKET, "buffer"), *when(jeq, IPPROTO_IPV6, "flow label"),
                        (ret, 0, 0, allow)],
         "flow label": [arg(2), *when(jeq, IPV6_FLOWLABEL_MGR, "deny"), (ret, 0, 0, allow)],
@@ -346,6 +355,81 @@ def _seccomp_program():
                enumerate(program)]
     instructions = (_SockFilter * len(program))(*[_SockFilter(*i) for i in program])
     return _SockFprog(len(program), ctypes.cast(instructions, ctypes.POINTER(_SockFilter))), instructions
+
+
+# Pipes and sockets take their inode numbers from a counter the machine shares (get_next_ino, per CPU): a call that
+# makes many moves it to a value a later call reads (docs/sandbox.md). A second filter, installed in the sandbox
+# process once it needs no more pipes or sockets of its own, hands each system call that makes one to the sandbox
+# process (seccomp user notification), which counts them and lets the call go on (CONTINUE) up to MAX_PIPES_SOCKETS a
+# call, and stops the call past it. A call that makes none costs nothing: the kernel allows every other system call
+# without running this filter (its verdict depends on the number alone).
+MAX_PIPES_SOCKETS = 256  # pipes and sockets (inode numbers) a call may make; tool code makes a few (asyncio: 2)
+_COUNTED = ("pipe", "pipe2", "socket", "socketpair", "accept", "accept4")
+SECCOMP_RET_USER_NOTIF, SECCOMP_FILTER_FLAG_NEW_LISTENER, SECCOMP_USER_NOTIF_FLAG_CONTINUE = 0x7FC00000, 8, 1
+SECCOMP_IOCTL_NOTIF_RECV, SECCOMP_IOCTL_NOTIF_SEND = 0xC0502100, 0xC0182101  # struct seccomp_notif: 80 bytes
+
+
+def _counting_program():
+    """The classic-BPF program of the counting filter: a system call of _COUNTED goes to the listener, every other
+    one (and every call of another architecture, which the first filter refuses or kills) is allowed."""
+    arch, nr, _ = _SYSCALLS[platform.machine()]
+    counted = [nr[name] for name in _COUNTED if name in nr]
+    program = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, 0x7FFF0000), (0x20, 0, 0, 0)]
+    program += [(0x15, len(counted) - i, 0, number) for i, number in enumerate(counted)]
+    program += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, SECCOMP_RET_USER_NOTIF)]
+    instructions = (_SockFilter * len(program))(*[_SockFilter(*i) for i in program])
+    return _SockFprog(len(program), ctypes.cast(instructions, ctypes.POINTER(_SockFilter))), instructions
+
+
+class _Counter:
+    """The sandbox process's side of the counting filter: `fd` is its listener; answer() takes one notification,
+    counts it against the current call and lets the system call run, or returns True where the call is now past
+    MAX_PIPES_SOCKETS: then it leaves it waiting, and its sandbox process kills it (an error the code could catch
+    would leave its answer to say something else)."""
+
+    def __init__(self):
+        program = _counting_program()
+        self.fd = _syscall("seccomp", 1, SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.addressof(program[0]))
+        self.made = 0
+        self.socketpair = _SYSCALLS[platform.machine()][1]["socketpair"]
+
+    def answer(self):
+        notice = bytearray(80)  # the kernel wants it zeroed
+        try:
+            fcntl.ioctl(self.fd, SECCOMP_IOCTL_NOTIF_RECV, notice)
+        except OSError:  # the caller died meanwhile
+            return False
+        number = int.from_bytes(notice[16:20], "little")
+        self.made += 2 if number == self.socketpair else 1
+        if self.made > MAX_PIPES_SOCKETS:
+            return True
+        reply = notice[:8] + struct.pack("=qiI", 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE)  # seccomp_notif_resp: its
+        try:  # id, a value and an error (unused), CONTINUE: the system call runs as made
+            fcntl.ioctl(self.fd, SECCOMP_IOCTL_NOTIF_SEND, reply)
+        except OSError as e:
+            if e.errno != errno.ENOENT:  # ENOENT: the caller died meanwhile
+                raise
+        return False
+
+
+def _counting_works():
+    """Whether the kernel has the counting filter (user notification with CONTINUE: Linux 5.5): a child installs it
+    and its own child makes a pipe, which it lets through."""
+    counter = _Counter()
+    pid = os.fork()
+    if pid == 0:
+        os.pipe()
+        os._exit(0)
+    try:
+        if not select.select([counter.fd], [], [], 5)[0] or counter.answer() or counter.made != 1:
+            raise OSError("no notification")
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        status = os.waitpid(pid, 0)[1]
+    if status != 0:
+        raise OSError("the pipe was refused")
 
 
 _CAP_HEADER, _CAP_DATA = ctypes.c_uint32 * 2, ctypes.c_uint32 * 6  # made here, not in every call's child
@@ -389,6 +473,8 @@ LACKS = {  # what a call's world is without each mechanism, said once at start w
     "seccomp": "the system-call filter (keyrings, SysV IPC, ptrace and other socket families stay open to a call)",
     "uid": "a user of its own per call (calls share the user nobody)",
     "root": "a user of its own per call (a non-root trainer's calls all run as its user)",
+    "pipe cap": f"a cap of {MAX_PIPES_SOCKETS} pipes and sockets a call (a call that makes many passes more bits to a "
+                "later call through the machine's inode counter)",
     "cgroup": "a cgroup per call (a call's kernel memory, such as socket buffers, and its disk reads are not bounded "
               "by the kernel: a call can hold memory outside its limit and slow its group-mates' disk reads)",
 }
@@ -727,6 +813,9 @@ class _World:
         else:
             self.seccomp = None
             self.lacks.append("seccomp")
+        self.counting = self.seccomp is not None and "pipe cap" not in without and _probe(_counting_works)
+        if not self.counting:
+            self.lacks.append("pipe cap")
         if self.cgroups is not None and not _probe(lambda: [os.write(fd, b"0") for fd in self.cgroups.join_fds]):
             self.cgroups = None  # a child cannot join the calls' cgroup (e.g. a cgroup2 tree that refuses it)
         if self.cgroups is None:
@@ -817,10 +906,10 @@ class _CappedText(io.TextIOBase):
 
 
 def _serve(channel_fd, config, leaf):
-    """A sandbox process: a fresh interpreter, started isolated (python -I, an empty environment, not in the
-    trainer's folder), never a fork of the trainer. It imports `modules`, takes its limits, sets up its _World, makes
-    two test calls, answers [why it cannot run calls or "", a warning or ""] on its channel (a Unix socket to the
-    trainer), then serves calls (_serve_calls)."""
+    """A sandbox process: a fresh interpreter, started isolated (python -I, an environment of THREADS alone, not in
+    the trainer's folder), never a fork of the trainer. It imports `modules` and sqlite3, takes its limits, sets up
+    its _World, makes two test calls, installs the counting filter (_Counter), answers [why it cannot run calls or "",
+    a warning or "", what it lacks] on its channel (a Unix socket to the trainer), then serves calls (_serve_calls)."""
     modules, memory_bytes, file_bytes, max_chars, timeout, folder, hidden, without, cgroups = json.loads(config)
     channel = socket.socket(fileno=channel_fd)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -830,7 +919,9 @@ def _serve(channel_fd, config, leaf):
     try:
         for name in modules:
             importlib.import_module(name)
-        os.environ.clear()  # calls see an empty environment
+        sqlite_locks = _sqlite_dot_file_locks()
+        os.environ.clear()  # calls see THREADS alone
+        os.environ.update(THREADS)
         limit_process(memory_bytes, file_bytes)  # here: the view has no /proc
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         calls_cgroups = None
@@ -840,6 +931,7 @@ def _serve(channel_fd, config, leaf):
             with contextlib.suppress(OSError):
                 calls_cgroups = _Cgroups(cgroups, leaf, memory_bytes + resident + (TMP_MB + KERNEL_SLACK_MB) * 2**20)
         world = _World(folder, hidden, set(without), calls_cgroups)
+        world.sqlite_locks = sqlite_locks
         world.alive_r, world.alive_w = os.pipe()  # a child sees this process gone when alive_r reads end-of-file
         compile("", "<tool>", "exec")  # its first compile() makes Python's AST types: here, not in every child
         gc.freeze()  # the imported objects stay out of the children's garbage collections: fewer pages copied
@@ -852,28 +944,37 @@ def _serve(channel_fd, config, leaf):
         return channel.send(json.dumps([f"a test call gave {test}", "", []]).encode())
     readable = _own_call(world, "import sys\n__import__(next(name for name in ('colorsys', 'tabnanny', 'netrc', "
                                 "'wave') if name not in sys.modules))", max_chars, timeout) == ("", "")
+    wake = os.pipe()  # made before the counting filter: past it this process makes no pipe (it would wait on itself)
+    counter = None
+    if world.counting:
+        try:
+            counter = _Counter()
+        except OSError:
+            world.lacks.append("pipe cap")
     warnings = [world.warning()] if world.lacks else []
     if not readable:
         warnings.append(f"the sandbox's user cannot read the Python installation ({sys.prefix}): a tool call can "
                         "import only the sandbox's modules and what they import at start")
     channel.send(json.dumps(["", "; ".join(warnings), world.lacks]).encode())
-    _serve_calls(world, channel, max_chars, timeout)
+    _serve_calls(world, channel, max_chars, timeout, wake, counter)
 
 
-def _serve_calls(world, channel, max_chars, timeout):
+def _serve_calls(world, channel, max_chars, timeout, wake, counter):
     """The loop of a sandbox process, until the trainer closes the channel. A message "c" brings a call's code (a
     memfd) and the write end of its result pipe: a child forked for the call reads the code and writes the result,
-    and this process, which reads neither, kills the child at its time limit, or when the next call comes while it
-    still runs (it closed its pipe early: the trainer has its answer). Calls run one at a time.
-    Once a child has ended, its status goes to the trainer: "s" + timeout, signal N, exit code N or not started, one
-    message per call, in order."""
+    and this process, which reads neither, kills the child at its time limit, past MAX_PIPES_SOCKETS (`counter`, the
+    counting filter's listener, or None), or when the next call comes while it still runs (it closed its pipe early:
+    the trainer has its answer). Calls run one at a time.
+    Once a child has ended, its status goes to the trainer: "s" + timeout, pipes, memory, cpu, signal N, exit code N
+    or not started, one message per call, in order."""
     name = ctypes.create_string_buffer(b"tool-sandbox")  # in ps and top: this process and its calls' children
     _PRCTL(PR_SET_NAME, ctypes.addressof(name), 0, 0, 0)
-    wake_r, wake_w = os.pipe()
+    wake_r, wake_w = wake
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes the select below
-    call = None  # [pid, deadline, folder, killed for its time]
+    call = None  # [pid, deadline, folder, why it was killed: None, "timeout" or "pipes"]
+    waits = [channel, wake_r] + ([counter.fd] if counter else [])
     oom_kills = [world.cgroups.oom_kills() if world.cgroups else 0]  # calls killed at their memory limit so far
 
     def end(block):
@@ -890,17 +991,20 @@ def _serve_calls(world, channel, max_chars, timeout):
             memory = killed and world.cgroups is not None and world.cgroups.oom_kills() > oom_kills[0]
             if memory:
                 oom_kills[0] = world.cgroups.oom_kills()
-            channel.send(b"s" + ("timeout" if call[3] else "memory" if memory else "cpu" if used_cpu
-                                 else _status(status)).encode())
+            channel.send(b"s" + (call[3] or ("memory" if memory else "cpu" if used_cpu
+                                             else _status(status))).encode())
             call = None
 
     while True:
         wait = None if call is None or call[3] else max(0.0, call[1] - time.monotonic())
-        readable = select.select([channel, wake_r], [], [], wait)[0]
+        readable = select.select(waits, [], [], wait)[0]
         if wake_r in readable:
             os.read(wake_r, 4096)
+        if counter and counter.fd in readable and counter.answer() and call and not call[3]:
+            call[3] = "pipes"
+            os.kill(call[0], signal.SIGKILL)
         if call and not call[3] and time.monotonic() >= call[1]:
-            call[3] = True
+            call[3] = "timeout"
             os.kill(call[0], signal.SIGKILL)
         if call:
             end(block=False)
@@ -922,8 +1026,10 @@ def _serve_calls(world, channel, max_chars, timeout):
             try:
                 if len(fds) != 2:
                     raise OSError("a call without its code and pipe")
+                if counter:
+                    counter.made = 0  # (the last call's child is reaped: none of its notices is left)
                 pid, folder = _start_call(world, *fds, max_chars, timeout)
-                call = [pid, time.monotonic() + wall_limit(timeout), folder, False]
+                call = [pid, time.monotonic() + wall_limit(timeout), folder, None]
             except OSError:  # e.g. no memory for a new namespace: this call fails, the next one is tried
                 channel.send(b"snot started")
         for fd in fds:
@@ -1030,7 +1136,7 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout):
             exec(compile(code, "<tool>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call ends with an error
-        error = traceback.format_exception_only(type(e), e)[-1].strip()
+        error = _error_line(e, world.sqlite_locks)
     output, error = stdout.getvalue(), error[:max_chars]
     encode = lambda: json.dumps([output, error], ensure_ascii=False).encode("utf-8", "surrogatepass")  # noqa: E731
     data, room = encode(), fcntl.fcntl(result_fd, F_GETPIPE_SZ)
@@ -1043,12 +1149,47 @@ def _child(world, code_fd, result_fd, folder, max_chars, timeout):
         os.close(result_fd)  # the trainer has the answer now, not once this process's memory is freed
 
 
+def _sqlite_dot_file_locks():
+    """SQLite locks a database file with fcntl's byte-range locks, which the filter refuses (on the view's files they
+    would be a channel between calls): its default becomes its own unix-dotfile VFS, which locks with a `<file>.lock`
+    folder beside the database, in the call's /tmp, where no other process reaches. A call's connections to one file
+    keep each other out as with fcntl locks. Imports sqlite3 (a call then imports it for free). Returns whether the
+    library's functions were found (not where sqlite3 is missing, or linked without its symbols)."""
+    try:
+        import sqlite3  # noqa: F401
+        with open("/proc/self/maps") as f:  # the library _sqlite3 loaded (or _sqlite3 itself, linked statically)
+            paths = dict.fromkeys(line.split()[-1] for line in f if "sqlite3" in line.rsplit("/", 1)[-1])
+        for path in paths:
+            library = ctypes.CDLL(path)
+            if not hasattr(library, "sqlite3_vfs_find"):
+                continue
+            library.sqlite3_vfs_find.restype, library.sqlite3_vfs_find.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
+            library.sqlite3_vfs_register.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            vfs = library.sqlite3_vfs_find(b"unix-dotfile")
+            if vfs and library.sqlite3_vfs_register(vfs, 1) == 0:  # 1: the default from now on
+                return True
+    except (ImportError, OSError):
+        pass
+    return False
+
+
+def _error_line(exception, sqlite_locks=True):
+    """The last line of a call's exception, which the model reads; where SQLite could not be given its dot-file locks,
+    its errors say why a database in a file fails."""
+    line = traceback.format_exception_only(type(exception), exception)[-1].strip()
+    if not sqlite_locks and type(exception).__module__ == "sqlite3":
+        line += " (the sandbox refuses file locks, which SQLite takes on a file: use sqlite3.connect(':memory:'))"
+    return line
+
+
 def _remove(folder):
     """Remove a folder whatever the code left in it (a tree too deep for shutil.rmtree's recursion, no permissions)."""
     try:
         shutil.rmtree(folder)
-    except Exception:  # noqa: BLE001
-        subprocess.run(["rm", "-rf", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    except Exception:  # noqa: BLE001 - posix_spawn makes no pipe (a sandbox process past its counting filter may not)
+        with contextlib.suppress(OSError):
+            quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0) for fd in (1, 2)]
+            os.waitpid(os.posix_spawnp("rm", ["rm", "-rf", "--", folder], {}, file_actions=quiet), 0)
 
 
 _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if chr(c) not in "\n\t"}
@@ -1068,6 +1209,14 @@ def _answer(data, max_chars):
         return _clean(output)[:max_chars + 1], _clean(error)[:max_chars]
     except Exception:  # noqa: BLE001
         return None
+
+
+# BLAS and OpenMP libraries start a pool of threads where they are loaded (numpy's OpenBLAS: one per CPU). A call may
+# start no thread (RLIMIT_NPROC 0): OpenBLAS loaded in a call fails its import, and a pool made in the sandbox process
+# before the fork is gone in the child, where a large solve then waits for it forever. One thread each, set before
+# anything is loaded (the sandbox process's environment, kept for its calls), runs every BLAS routine in the calling
+# thread: a call gains no thread, and none is made in the sandbox process.
+THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def cpu_limit(timeout):
@@ -1090,6 +1239,9 @@ def _outcome(data, status, max_chars, timeout):
         return "", f"TimeoutError: the code used {cpu_limit(timeout)} s of CPU and was stopped"
     if status == "timeout":
         return "", f"TimeoutError: the code waited for more than {wall_limit(timeout):g} s and was stopped"
+    if status == "pipes":
+        return "", (f"OSError: the code made more than {MAX_PIPES_SOCKETS} pipes and sockets (the sandbox's limit "
+                    "for a call) and was stopped")
     if status == "memory":
         return "", ("MemoryError: the code's memory (kernel buffers and /tmp included) passed its limit and it was "
                     "stopped")
@@ -1099,8 +1251,8 @@ def _outcome(data, status, max_chars, timeout):
 
 
 def _environment():
-    """The sandbox processes' environment: nothing of the trainer's but what starts the interpreter."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+    """The sandbox processes' environment: nothing of the trainer's but what starts the interpreter, and THREADS."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **THREADS}
     if "LD_LIBRARY_PATH" in os.environ:
         env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
     return env

@@ -324,6 +324,33 @@ def test_sandbox_calls_times_every_module_set(tmp_path):
                                         "math, fractions, statistics, numpy, sympy"] and "--calls 4" in out
 
 
+def test_sandbox_channels_measures_each_channel_at_a_tiny_size(tmp_path):
+    """benchmarks/sandbox_channels.py end to end on one CPU, one trial of 1- and 2-bit symbols with 1 and 2 bits below
+    them, 8 pages, 8 slots: every table has its rows, and where a receiver reads the page cache first (or with
+    RWF_DONTCACHE, the filter left out) it decodes what the sender sent (a read preempted on a busy machine may cost a
+    bit: 6 of 8 at least, where chance is 4); the sandbox's receivers cannot use RWF_DONTCACHE."""
+    out = run_benchmark(["benchmarks/sandbox_channels.py", "--trials", "1", "--bits", "1", "2", "--below", "1", "2",
+                         "--cpus", "1", "--calibration", "2", "--pages", "8", "--reclaim_mb", "8", "--slots", "8",
+                         "--slot_ms", "20"], tmp_path, timeout=120)
+    assert (tmp_path / "sandbox_channels.md").read_text().strip() in out
+    inode = table_rows(out, 8)[2:]
+    for name in ("without the cap", "the sandbox"):
+        assert [(row[2], row[1]) for row in inode if row[0] == name] == [("1", "1"), ("1", "2"), ("2", "1"),
+                                                                        ("2", "2")], inode
+    pages = table_rows(out, 7)[2:]
+    assert [row[1:3] for row in pages] == [["1", "the next call"], ["1", "the call after it"], ["2", "the next call"],
+                                           ["3", "the next call"], ["4", "the next call"], ["4", "the call after it"]]
+    if "seccomp" not in out.split("the sandbox lacks: ")[1].split(")")[0]:
+        assert {row[6] for row in pages[:4]} == {"no (refused)"}, pages
+    right = [int(row[4].split("/")[0]) for row in pages]
+    if "were not checked to be uncached" not in out:  # (mincore answers root)
+        assert right[0] >= 6 and right[2] >= 6, pages  # the first receiver of uncached pages decodes
+        if pages[4][6] == "yes":  # (a kernel without RWF_DONTCACHE says so)
+            assert right[4] >= 6 and right[5] >= 6, pages  # and so does the second: the first left them uncached
+    (contention,) = table_rows(out, 3)[2:]
+    assert contention[0] == "20" and contention[1].endswith("/8"), contention
+
+
 @pytest.mark.slow
 def test_scorer_compares_the_scorer_with_inline_checks(tmp_path):
     path = tmp_path / "scorer.md"

@@ -127,7 +127,7 @@ def test_a_python_environment_under_tmp_is_refused_at_start():
 def test_the_warning_says_what_the_run_lacks():
     """Each mechanism left out (as on a machine that does not allow it) is named in the one-line warning, and the
     sandbox still runs calls; with every mechanism left out it runs as a plain child per call."""
-    for name in ("net", "ipc", "seccomp", "cgroup"):
+    for name in ("net", "ipc", "seccomp", "cgroup", "pipe cap"):
         with PythonSandbox(num_workers=1, timeout=2.0, _without=(name,)) as sandbox:
             assert LACKS[name] in sandbox.warning and "\n" not in sandbox.warning
             assert sandbox.run(["print(6 * 7)"]) == [("42\n", "")]
@@ -215,3 +215,88 @@ def test_a_call_that_trickles_into_its_pipe_costs_the_trainer_nothing():
     with PythonSandbox(num_workers=1, max_output_chars=200_000) as sandbox:
         (output, error), = sandbox.run(["print('é' * 300_000)"])
     assert not error and 10_000 < len(output) <= 200_001 and set(output) == {"é"}, (len(output), error)
+
+
+LINEAR_ALGEBRA = """import threading, time
+import numpy as np
+start = time.process_time()
+rng = np.random.default_rng(0)
+a, b = np.eye(200) + rng.random((200, 200)) / 200, rng.random(200)  # well conditioned, det of a few units
+x = np.linalg.solve(a, b)
+eigenvalues = np.linalg.eigvals(a)
+det = np.linalg.det(a)
+m = rng.random((1000, 1000))
+product = m @ m
+used = time.process_time() - start
+try:  # BLAS runs in the calling thread: the call still gets no second one
+    threading.Thread(target=print).start()
+    thread = 'started'
+except RuntimeError:
+    thread = 'refused'
+print(np.allclose(a @ x, b), np.isclose(np.prod(eigenvalues).real, det, rtol=1e-8),
+      np.isclose(product[3, 5], m[3] @ m[:, 5]), used < 4, thread)"""
+
+
+@pytest.mark.parametrize("modules", [("math", "fractions", "statistics"), ("numpy", "sympy")])
+def test_numpy_linear_algebra_runs_within_the_cpu_limit(modules):
+    """numpy imported by the call (grpo_tools.py's default modules) or preloaded with sympy (the documented setup for
+    math tools): a 200 x 200 solve, det and eigenvalues and a 1000 x 1000 matmul give the right numbers within the
+    call's CPU limit, in the calling thread (OpenBLAS could start no thread of its own in a call, and one made before
+    the fork is not in the child: without one thread set at start the import fails and a large solve hangs)."""
+    with PythonSandbox(num_workers=1, timeout=5.0, modules=modules) as sandbox:
+        assert sandbox.run([LINEAR_ALGEBRA]) == [("True True True True refused\n", "")]
+
+
+def test_what_math_tool_code_imports_runs():
+    """sympy, mpmath and the standard library a tool call uses, each lazily imported with grpo_tools.py's default
+    modules: algebra, calculus, number theory, high precision, exact fractions, combinatorics, asyncio (a socket pair),
+    and sqlite3 on a file in /tmp (SQLite locks with a folder beside the file: fcntl locks are refused)."""
+    codes = {
+        "sympy": "import sympy as sp\nx = sp.symbols('x')\nprint(sp.solve(x**2 - 5*x + 6, x), "
+                 "sp.integrate(sp.sin(x)**2, (x, 0, sp.pi)), sp.factorint(2**32 + 1), "
+                 "sp.Matrix([[1, 2], [3, 4]]).det(), sp.series(sp.exp(x), x, 0, 3), sp.nsimplify(0.125), "
+                 "sp.isprime(2**31 - 1))",
+        "mpmath": "import mpmath\nmpmath.mp.dps = 30\nprint(mpmath.mp.pi, "
+                  "mpmath.almosteq(mpmath.quad(mpmath.exp, [0, 1]), mpmath.e - 1), "
+                  "mpmath.findroot(lambda t: t**2 - 2, 1))",
+        "standard library": "import bisect, cmath, collections, decimal, fractions, functools, heapq, itertools, json, "
+                            "math, random, re, statistics, string\n"
+                            "print(fractions.Fraction(3, 4) + fractions.Fraction(1, 6), math.comb(30, 15), "
+                            "len(list(itertools.permutations(range(6)))), functools.reduce(math.lcm, range(1, 21)), "
+                            "collections.Counter('mississippi').most_common(1), heapq.nsmallest(2, [5, 1, 4]), "
+                            "bisect.bisect([1, 3, 5], 4), cmath.sqrt(-4), decimal.Decimal(1) / decimal.Decimal(7), "
+                            "statistics.mean([1, 2, 4]), re.findall(r'\\d+', 'a1b22'), json.dumps({'k': [1]}), "
+                            "random.Random(0).randint(1, 6), string.ascii_lowercase[:3])",
+        "asyncio": "import asyncio\nasync def main():\n    await asyncio.sleep(0.01)\n    return 7\n"
+                   "print(asyncio.run(main()))",
+        "sqlite3": "import sqlite3\ndb = sqlite3.connect('/tmp/t.db')\ndb.execute('create table t (n integer)')\n"
+                   "db.executemany('insert into t values (?)', [(i,) for i in range(100)])\ndb.commit()\n"
+                   "print(sqlite3.connect('t.db').execute('select sum(n) from t').fetchone())",
+    }
+    expected = {
+        "sympy": "[2, 3] pi/2 {641: 1, 6700417: 1} -2 1 + x + x**2/2 + O(x**3) 1/8 True\n",
+        "mpmath": "3.14159265358979323846264338328 True 1.41421356237309504880168872421\n",
+        "standard library": "11/12 155117520 720 232792560 [('i', 4)] [1, 4] 2 2j 0.1428571428571428571428571429 "
+                            "2.3333333333333335 ['1', '22'] {\"k\": [1]} 4 abc\n",
+        "asyncio": "7\n",
+        "sqlite3": "(4950,)\n",
+    }
+    with PythonSandbox(num_workers=2, timeout=5.0, modules=("math", "fractions", "statistics")) as sandbox:
+        results = dict(zip(codes, sandbox.run(list(codes.values()))))
+    assert results == {name: (text, "") for name, text in expected.items()}, results
+
+
+def test_an_sqlite_error_says_why_where_sqlite_keeps_its_file_locks():
+    """Where the sandbox cannot give SQLite its dot-file locks (sqlite3 linked without its functions), a database in a
+    file fails on the refused fcntl locks: the error line the model reads says why, in one line; other errors and
+    SQLite's own where the locks were changed are left as they are."""
+    import sqlite3
+
+    from plumbing.tools import _error_line
+
+    refused = sqlite3.OperationalError("access permission denied")
+    assert _error_line(refused, sqlite_locks=False) == (
+        "sqlite3.OperationalError: access permission denied (the sandbox refuses file locks, which SQLite takes on a "
+        "file: use sqlite3.connect(':memory:'))")
+    assert _error_line(refused) == "sqlite3.OperationalError: access permission denied"
+    assert _error_line(ValueError("x"), sqlite_locks=False) == "ValueError: x"

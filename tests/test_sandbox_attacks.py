@@ -23,7 +23,8 @@ import time
 import pytest
 
 from tests.helpers import ROOT
-from plumbing.tools import _SYSCALLS, LACKS, TMP_MB, PythonSandbox, output_block, tool_output_ids
+from plumbing.tools import (_SYSCALLS, LACKS, MAX_PIPES_SOCKETS, THREADS, TMP_MB, PythonSandbox, output_block,
+                            tool_output_ids)
 
 NR = _SYSCALLS.get(platform.machine(), (0, {}))[1]  # system-call numbers, for the attacks made through ctypes
 
@@ -157,7 +158,7 @@ def test_1_a_call_sees_no_secret_of_the_trainer(secret_world, lacks, route):
     (output, error), = sandbox.run([f"TRAINER, HOME = {os.getpid()}, {home!r}\n" + code])
     assert token not in output + error, (output, error)
     if route == "environment":
-        assert output.startswith("{} environ({})"), output  # an empty environment
+        assert output.startswith(f"{THREADS} environ("), output  # an environment of THREADS alone
     if route == "memory":
         assert output == "['control']\n", (output, error)  # the search works, and finds no secret
 
@@ -436,7 +437,7 @@ attempt('udp', (socket.AF_INET, socket.SOCK_DGRAM), ('127.0.0.1', {udp_port}), T
 attempt('abstract', (socket.AF_UNIX,), '\\0{name}')
 attempt('path', (socket.AF_UNIX,), {path!r})
 open_ports = []
-for p in [*range(1, 1025), {port}]:
+for p in [*range(1, {MAX_PIPES_SOCKETS - 24}), {port}]:  # as many as a call may make sockets
     s = socket.socket()
     s.settimeout(0.05)
     if s.connect_ex(('127.0.0.1', p)) == 0:
@@ -603,7 +604,7 @@ def test_7_a_module_a_call_plants_in_the_trainers_folder_never_runs(writable_fol
 @pytest.mark.parametrize("where", ["working folder", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONHOME"])
 def test_7_a_sandbox_process_starts_isolated(writable_folder, monkeypatch, where):
     """Modules planted some other way, in the trainer's folder or where the trainer's environment points: a sandbox
-    process imports none of them (python -I, an empty environment, started in /)."""
+    process imports none of them (python -I, an environment of THREADS alone, started in /)."""
     work, other, marker = writable_folder
     body = f"open({marker!r}, 'a').write(__name__ + '\\n')\n"
     folder = work if where == "working folder" else other
@@ -737,7 +738,7 @@ with PythonSandbox(num_workers=2, timeout=10.0) as sandbox:
     results += sandbox.run(['import os\nprint(os.listdir("/tmp"))'] * 2)
 print(json.dumps({'warning': sandbox.warning, 'results': dict(zip([*codes, 'later', 'later'], results))}))
 """
-NON_ROOT_EXPECTED = {"secrets": ["{}\n", ""], "the trainer": ["ProcessLookupError\n", ""], "the checkout": None,
+NON_ROOT_EXPECTED = {"secrets": [f"{THREADS}\n", ""], "the trainer": ["ProcessLookupError\n", ""], "the checkout": None,
                      "the loopback": None, "group-mates": ["none\n", ""], "capabilities": ["-1 -1\n", ""],
                      "leave /tmp": ["['tinyrl-non-root']\n", ""], "find /tmp": ["[]\n", ""], "later": ["[]\n", ""]}
 
@@ -1117,3 +1118,61 @@ def test_12_a_call_reads_no_machine_wide_socket_counter(lacks, route):
     code = (f"import socket, struct\ntry:\n    {SOCKET_COUNTERS[route]}\n    print('done')\n"
             "except OSError as e:\n    print('refused', e.errno)")
     assert run([code]) == [("refused 1\n", "")]
+
+
+def test_12_a_call_cannot_read_a_page_without_caching_it(lacks):
+    """A read with RWF_DONTCACHE takes an uncached page from the disk and leaves it uncached: a page that an earlier
+    call read (1) or not (0) would then tell its bit to every later call that times such a read, not to the first
+    alone. Refused (and on writes, which reach only the call's /tmp)."""
+    require(lacks, "seccomp")
+    code = ("import os\nfd = os.open(os.__file__, os.O_RDONLY)\nout = os.open('/tmp/f', os.O_RDWR | os.O_CREAT)\n"
+            "for attempt in (lambda: os.preadv(fd, [bytearray(4096)], 4096, 0x80),\n"  # RWF_DONTCACHE
+            "                lambda: os.pwritev(out, [b'x' * 4096], 0, 0x80)):\n"
+            "    try:\n        attempt()\n        print('done')\n    except OSError as e:\n        print(e.errno)")
+    assert run([code]) == [(f"{errno.EPERM}\n{errno.EPERM}\n", "")]
+
+
+def pipes(cpu, n, extra=""):
+    """Code that makes n pipes on that CPU, then runs `extra`."""
+    return (f"import os, socket\nos.sched_setaffinity(0, {{{cpu}}})\nfor i in range({n}):\n    r, w = os.pipe()\n"
+            f"    os.close(r)\n    os.close(w)\n{extra}\nprint('made')")
+
+
+def _next_inode():
+    """The inode number this process's next pipe takes (the machine's counter on the CPU it runs on)."""
+    read, write = os.pipe()
+    os.close(write)
+    try:
+        return os.fstat(read).st_ino
+    finally:
+        os.close(read)
+
+
+def test_12_a_call_moves_the_machines_inode_counter_by_at_most_its_cap(lacks):
+    """Pipes and sockets take their inode numbers from a counter the machine keeps per CPU (in batches of 1024): a
+    call that makes many sets it to a value a later call on that CPU reads. A call makes at most MAX_PIPES_SOCKETS
+    (a socket pair counts two) and is stopped past it, so it moves the counter of the CPU it is pinned to by that much
+    at most (read here before and after it, within one batch); without the cap the same call moves it by 5000."""
+    require(lacks, "seccomp", "pipe cap")
+    own = os.sched_getaffinity(0)
+    cpu = max(own)
+    moved = {}
+    for without in ((), ("pipe cap",)):
+        with PythonSandbox(num_workers=1, timeout=5.0, _without=without) as sandbox:
+            os.sched_setaffinity(0, {cpu})
+            try:
+                while _next_inode() % 1024 != 1:  # a fresh batch: the next thousand numbers here are consecutive
+                    pass
+                before = _next_inode()
+                result, = sandbox.run([pipes(cpu, 5000)])
+                moved[without] = (result, _next_inode() - before)
+            finally:
+                os.sched_setaffinity(0, own)
+            if not without:
+                exact = pipes(cpu, MAX_PIPES_SOCKETS - 2, "socket.socketpair()")
+                assert sandbox.run([exact, exact.replace("socketpair()", "socketpair()\nos.pipe()")]) == [
+                    ("made\n", ""), ("", f"OSError: the code made more than {MAX_PIPES_SOCKETS} pipes and sockets "
+                                         "(the sandbox's limit for a call) and was stopped")]
+    (capped, capped_moved), (free, free_moved) = moved[()], moved[("pipe cap",)]
+    assert "more than" in capped[1] and capped_moved <= MAX_PIPES_SOCKETS + 256, moved  # (the sandbox's own: a few)
+    assert free == ("made\n", "") and free_moved >= 5000, moved
