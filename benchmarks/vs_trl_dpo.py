@@ -16,6 +16,7 @@ optimizer step, from its start to its end, as dpo.py's time/step does). Writes b
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def main():
     for round_ in range(args.rounds):
         for side in (("dpo", "trl") if round_ % 2 == 0 else ("trl", "dpo")):
             run_dir = os.path.join(work, f"{side}_{round_}")
+            shutil.rmtree(run_dir, ignore_errors=True)  # a rerun measures afresh (dpo.py refuses a used folder)
             if side == "dpo":
                 times = dpo_side(model, pairs, args.steps, per_step, learning_rate, args.threads, run_dir)
             else:
