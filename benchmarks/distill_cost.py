@@ -10,14 +10,16 @@ The teacher is a grpo.py run of --teacher_steps from the same start (made first,
 the student's vocabulary); its held-out greedy pass@1 is measured with --eval_only on the same test problems. Each
 student run evaluates every --eval_every steps; a run reaches the teacher at its first evaluation whose greedy pass@1 is
 at least the teacher's less --within, and its training seconds are the sum of its time/step up to that step
-(evaluations excluded). Writes benchmarks/results/<name>.md: per method and seed, the step and seconds at which it
-reached the teacher (or that it did not within --steps), its accuracy then and at the end, the forward KL and the
+(evaluations excluded; the student runs go --parallel at a time, each on --threads, so both methods' seconds are
+measured under the same load). Writes benchmarks/results/<name>.md: per method and seed, the step and seconds at which
+it reached the teacher (or that it did not within --steps), its accuracy then and at the end, the forward KL and the
 prior tasks' mean lenient accuracy then; and the medians over seeds, with the ratio of grpo.py's steps to opd.py's.
 """
 
 import argparse
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -55,7 +57,8 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval_every", type=int, default=10)
     parser.add_argument("--within", type=float, default=0.02)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--parallel", type=int, default=2, help="student runs at a time")
     parser.add_argument("--name", default=None, help="default: distill_cost_toy or distill_cost_smollm2")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
     parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
@@ -87,21 +90,22 @@ def main():
              "| method | seed | reached at step | training s | pass@1 then | pass@1 at the end | forward KL then | "
              "prior tasks then | forgetting then |", "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
-    for method, flags in methods.items():
-        for seed in args.seeds:
-            rows, _ = run(method, flags, train, out_dir, seed, args.reuse)
-            hit = reached(rows, target)
-            end = [r for r in rows if "eval/pass@1_greedy" in r][-1]
-            summary.setdefault(method, []).append(hit)
-            if hit is None:
-                lines.append(f"| {method} | {seed} | not within {args.steps} | | | {end['eval/pass@1_greedy']:.3f} | "
-                             "| | |")
-                continue
-            step, seconds, row = hit
-            prior = np.mean([row[k] for k in keys])
-            lines.append(f"| {method} | {seed} | {step} | {seconds:.1f} | {row['eval/pass@1_greedy']:.3f} | "
-                         f"{end['eval/pass@1_greedy']:.3f} | {row.get('eval/forward_kl', np.nan):.3f} | {prior:.3f} | "
-                         f"{base_prior - prior:.3f} |")
+    jobs = [(method, seed) for method in methods for seed in args.seeds]
+    with ThreadPoolExecutor(args.parallel) as pool:  # each run a subprocess; the table in the jobs' order
+        results = list(pool.map(lambda job: run(job[0], methods[job[0]], train, out_dir, job[1], args.reuse)[0], jobs))
+    for (method, seed), rows in zip(jobs, results):
+        hit = reached(rows, target)
+        end = [r for r in rows if "eval/pass@1_greedy" in r][-1]
+        summary.setdefault(method, []).append(hit)
+        if hit is None:
+            lines.append(f"| {method} | {seed} | not within {args.steps} | | | {end['eval/pass@1_greedy']:.3f} | "
+                         "| | |")
+            continue
+        step, seconds, row = hit
+        prior = np.mean([row[k] for k in keys])
+        lines.append(f"| {method} | {seed} | {step} | {seconds:.1f} | {row['eval/pass@1_greedy']:.3f} | "
+                     f"{end['eval/pass@1_greedy']:.3f} | {row.get('eval/forward_kl', np.nan):.3f} | {prior:.3f} | "
+                     f"{base_prior - prior:.3f} |")
     medians = {}
     for method, hits in summary.items():  # a seed that never reached the target counts as the slowest
         steps = [h[0] if h else np.inf for h in hits]

@@ -52,6 +52,10 @@ VARIANTS = {  # name: (script, flags)
     "rft": ("sft.py", ["--data", "rft"]),  # the policy's own correct samples
     "dpo_offline": ("dpo.py", ["--data", "offline"]),  # pairs from the initial policy's samples
     "dpo_online": ("dpo.py", ["--data", "online"]),  # pairs from the current policy's samples
+    "dpo_offline_lr1e-4": ("dpo.py", ["--data", "offline", "--learning_rate", "1e-4"]),  # offline at a lower rate
+    "dpo_offline_beta1": ("dpo.py", ["--data", "offline", "--learning_rate", "1e-4", "--beta", "1"]),  # nearer pi_ref
+    "dpo_offline_beta3": ("dpo.py", ["--data", "offline", "--learning_rate", "1e-4", "--beta", "3"]),
+    "dpo_online_lr1e-4": ("dpo.py", ["--data", "online", "--learning_rate", "1e-4"]),  # online at the same rate
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch

@@ -57,9 +57,9 @@ class RunArgs:
     malloc_mmap_threshold: int = 0
     """N > 0, on a CPU with glibc: allocations above N bytes are mapped on their own and handed back to the system
     when freed, so resident memory follows what the tensors hold, at the cost of faulting their pages in afresh
-    (4194304 on the README's SmolLM2 run: 0.8 GiB less, 1.04-1.23x the step time); 0: glibc's default, a threshold
-    that rises to 32 MiB, under which freed tensors stay in a heap that fragments (MALLOC_MMAP_THRESHOLD_ in the
-    environment wins)"""
+    (4194304 on the README's SmolLM2 run alone: 4.09 GiB peak against 4.97, at 1.23x the step time); 0: glibc's
+    default, a threshold that rises to 32 MiB, under which freed tensors stay in a heap that fragments
+    (MALLOC_MMAP_THRESHOLD_ in the environment wins)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """bf16: the model computes in bf16 under autocast, its weights, gradients and optimizer state float32 (on a CPU
     with AMX or AVX-512 bf16 the README's SmolLM2 step took 0.77x the time; the toy's 1.39x); auto: the launch's
@@ -333,10 +333,10 @@ def set_mmap_threshold(threshold):
     """Fix glibc's mmap threshold at `threshold` bytes (--malloc_mmap_threshold; 0 leaves glibc's default). By default
     glibc raises the threshold each time a mapped block is freed, up to 32 MiB, and from then on serves tensors below it
     from its heap, which keeps what they free and fragments as tensors of other sizes come and go. Fixed at 4 MiB, the
-    README's SmolLM2 run peaked at 4.09-4.20 GiB resident against 4.97-5.05 GiB, at 1.04-1.23x the step time, since
-    every large tensor's pages are faulted in afresh (benchmarks/run_memory.py); nothing is computed differently. A
-    no-op where the setting is not ours to make: MALLOC_MMAP_THRESHOLD_ set in the environment, a C library other
-    than glibc."""
+    README's SmolLM2 run alone peaked at 4.09 GiB resident against 4.97 GiB, at 1.23x the step time, since every large
+    tensor's pages are faulted in afresh (benchmarks/results/smollm2_memory_alone.md); nothing is computed
+    differently. A no-op where the setting is not ours to make: MALLOC_MMAP_THRESHOLD_ set in the environment, a C
+    library other than glibc."""
     if threshold > 0 and "MALLOC_MMAP_THRESHOLD_" not in os.environ and platform.libc_ver()[0] == "glibc":
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); also ends the dynamic rise
 
