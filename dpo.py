@@ -27,6 +27,9 @@ Where the pairs come from (--data):
 - online: pairs made the same way from the current policy's samples of each step's prompts (online DPO); a prompt
   without a pair keeps its place with weight 0. Offline and online differ in which policy sampled, what the question
   whether on-policy data forgets less needs (arXiv 2509.04259).
+On the embedded toy, whose pairs differ in a digit or two, offline pairs at beta 0.1 collapse (the chosen log-probs
+fall with the rejected ones: likelihood displacement, arXiv 2410.08847) and learn at --beta 3 --learning_rate 1e-4;
+online pairs learn at the defaults (docs/algorithms.md).
 
 Reading order, one step (blocks whose header says "infrastructure" are what a first read skips): main(), generate() and
 choose_pairs() (or load_preferences(), utils/tasks.py), make_batch(), update_policy() with pair_micro_batches(),
@@ -510,6 +513,7 @@ def offline_pool(run, make):
     os.makedirs(run.run_dir, exist_ok=True)
     torch.save(pool, path + ".tmp")
     os.replace(path + ".tmp", path)
+    print(f"offline pool: {len(pool)} pairs on process {run.accelerator.process_index}, saved to {path}")
     return pool
 
 

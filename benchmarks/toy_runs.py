@@ -56,6 +56,8 @@ VARIANTS = {  # name: (script, flags)
     "dpo_offline_beta1": ("dpo.py", ["--data", "offline", "--learning_rate", "1e-4", "--beta", "1"]),  # nearer pi_ref
     "dpo_offline_beta3": ("dpo.py", ["--data", "offline", "--learning_rate", "1e-4", "--beta", "3"]),
     "dpo_online_lr1e-4": ("dpo.py", ["--data", "online", "--learning_rate", "1e-4"]),  # online at the same rate
+    "dpo_offline_beta3_lr5e-4": ("dpo.py", ["--data", "offline", "--beta", "3"]),
+    "dpo_online_beta3": ("dpo.py", ["--data", "online", "--learning_rate", "1e-4", "--beta", "3"]),
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch
@@ -198,7 +200,7 @@ def main():
         rows = [t for t in table if t["variant"] == v]
         ratios = [np.median([t[p] for t in rows]) / np.median([t[p] for t in base]) for p in PHASES]
         to_v, to_base = median_to_target(rows), median_to_target(base)
-        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " | " +
+        lines.append(f"| {v} | " + " | ".join(f"{x:.2f}x" if np.isfinite(x) else "n/a" for x in ratios) + " | " +
                      (f"{to_v / to_base:.2f}x" if to_v is not None and to_base else "n/a") + " |")
     path = write_results(name, lines)
     plt = pyplot()
@@ -207,6 +209,8 @@ def main():
     fig, (ax_reward, ax_parts, ax_length, ax_wall) = plt.subplots(1, 4, figsize=(21, 4))
     for v in args.variants:
         mine = [res["rows"] for res in results if res["variant"] == v]
+        if "charts/reward" not in mine[0][0]:  # no rollout to plot (dpo.py --data offline or file)
+            continue
         curves = np.array([[r["charts/reward"] for r in rows] for rows in mine])
         lengths = np.array([[r["charts/completion_length"] for r in rows] for rows in mine])
         wall = np.array([np.cumsum([r["time/step"] + r.get("time/eval", 0.0) for r in rows]) for rows in mine])
