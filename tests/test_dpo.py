@@ -277,3 +277,23 @@ def test_a_resumed_offline_run_reads_its_pairs_back_and_trains_as_an_uninterrupt
     _, resumed = run_grpo([*common, "--exp_name", "resumed", "--resume"], tmp_path, script="dpo.py")
     for key in ("losses/dpo", "rewards/margins", "policy/grad_norm", "dpo/pairs_made"):
         assert resumed[2][key] == straight[2][key], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["ddp", "fsdp2"])
+def test_two_processes_train_as_one_on_the_same_pairs(tmp_path, launcher):
+    """2 CPU processes (gloo; DDP, and FSDP2 with the policy and pi_ref sharded), each with half of a step's file
+    pairs, against one process with all of them: the loss is the mean over the mini-batch's pairs on every process,
+    so the losses, margins and gradient norms of 2 steps agree to float32 rounding (the processes' sums are reduced in
+    another order)."""
+    from tests.helpers import fsdp2, two_processes
+
+    flags = ["--data", "file", "--pairs", PAIRS, "--total_steps", "2", "--eval_every", "0", "--save_every", "0",
+             "--prompts_per_step", "8", "--micro_batch_size", "4", "--kl_prompts", "0", "--log_completions_every", "0"]
+    _, one = run_grpo([*flags, "--exp_name", "one"], tmp_path, script="dpo.py")
+    start = two_processes(29574) if launcher == "ddp" else fsdp2(29575)
+    _, two = run_grpo([*flags, "--exp_name", "two"], tmp_path, script="dpo.py", launcher=start)
+    for a, b in zip(one, two):
+        assert a["dpo/pairs_made"] == b["dpo/pairs_made"] == 8
+        for key in ("losses/dpo", "rewards/margins", "logps/chosen", "policy/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
