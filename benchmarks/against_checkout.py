@@ -21,6 +21,7 @@ benchmarks/results/<name>.md (TINYRL_RESULTS: another folder).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ KEYS = ("time/step", "time/train", "time/rollout")
 def one_run(checkout, script, flags, out_dir, skip, env=None):
     """Run the script of `checkout` into out_dir, with `env` added to the environment -> its medians over steps, its
     peak RSS and its last step's reward and accuracy."""
+    shutil.rmtree(out_dir, ignore_errors=True)  # a rerun starts afresh: the script would refuse an existing run folder
     start = time.time()
     subprocess.run([sys.executable, os.path.join(checkout, script), *flags, "--output_dir", out_dir, "--exp_name",
                     "run"], cwd=checkout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
