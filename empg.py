@@ -177,10 +177,10 @@ def modulate_advantages(advantages, entropy, mask, args, accelerator):
     """A'_it (the docstring's equations) from the A_i (B,) of every process's completions and this process's pi_old
     token entropies and mask (B/W, T); step t is a completion's t-th run of model tokens, and min, max and means are
     over every process's steps, in float64. -> (A'_it on step t's tokens, else 0, (B/W, T); metrics)."""
-    turn = (mask * (1 - F.pad(mask[:, :-1], (1, 0)))).cumsum(-1).mul(mask).long()  # 1, 2, ... on turn t; 0 elsewhere
-    sums = torch.zeros(len(mask), args.max_turns + 2, dtype=torch.float64, device=mask.device)  # column 0: the rest
-    H = accelerator.gather((sums.scatter_add(1, turn, entropy.double() * mask) /  # (B, S) every step's H; NaN (0 / 0)
-                            sums.scatter_add(1, turn, mask.double()))[:, 1:])  # where a completion has no step t
+    turn = (mask * (1 - F.pad(mask[:, :-1], (1, 0)))).cumsum(-1).mul(mask).long()  # t on step t's tokens, else 0
+    sums = torch.zeros(len(mask), args.max_turns + 2, dtype=torch.float64, device=mask.device)  # column 0: no step
+    H = accelerator.gather((sums.scatter_add(1, turn, entropy.double() * mask) /  # (B, S) every process's steps'
+                            sums.scatter_add(1, turn, mask.double()))[:, 1:])  # entropies; NaN (0 / 0): no step t
     valid = ~H.isnan()
     low, high = H[valid].min(), H[valid].max()
     norm = (H - low) / (high - low + 1e-8)  # eq. 12
