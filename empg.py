@@ -1,10 +1,8 @@
 """EMPG: Entropy-Modulated Policy Gradients (arXiv 2509.09265) on grpo_tools.py's multi-turn rollouts: each step's
-policy gradient is rescaled by the step's entropy, so that confident steps get larger updates and uncertain ones
-smaller, plus a bonus for a step followed by a confident one ("future clarity").
-
-Step t of completion i is its t-th model turn (the run of model tokens between two tool outputs); H_it is its tokens'
-mean entropy under pi_old (the rollout's policy, from the trainer's pass before the update). Over the S steps of the
-rollout batch, as the authors' pseudocode (project page) computes it, with its defaults k = k_f = 1, zeta = 0.1:
+advantage is rescaled by the step's entropy (confident steps get larger updates, uncertain ones smaller), plus a bonus
+for a step followed by a confident one ("future clarity"). Step t of completion i is its t-th model turn (a run of
+model tokens between tool outputs); H_it, its tokens' mean entropy under pi_old (the trainer's pass before the update).
+Over the rollout batch's S steps, as the authors' pseudocode computes it (defaults k = k_f = 1, zeta = 0.1):
 
   Hn_it = (H_it - min H) / (max H - min H + 1e-8)             batch min-max normalization (eq. 12)
   g_it  = exp(-k Hn_it) / (1/S sum_steps exp(-k Hn) + 1e-8)   self-calibrating gradient scaling, mean 1 (eq. 10)
@@ -12,24 +10,22 @@ rollout batch, as the authors' pseudocode (project page) computes it, with its d
   M_it  = g_it A_i + zeta f_i,t+1                              (no bonus on a completion's last step)
   A'_it = M_it - 1/S sum_steps M                               final normalization: zero mean over the steps
 
-and each token of step t takes A'_it in grpo_tools.py's objective (m_it = 0 on the tool's tokens; r_it, KL_it and the
-group z-score A_i as in grpo.py):
+and step t's tokens take A'_it in grpo_tools.py's objective (m_it = 0 on tool output; r_it, KL_it, A_i as in grpo.py):
 
   J(theta) = 1/G sum_i 1/|o_i|_m sum_t m_it [ min( r_it A'_it, clip(r_it, 1 - eps, 1 + eps) A'_it ) - beta KL_it ]
 
-Worked example (defaults): completion 1 (A = +1) has step entropies (0.2, 1.0), completion 2 (A = -1) has (0.6, 0.2,
-1.4). Over S = 5 steps Hn = (0, 2/3 | 1/3, 0, 1); exp(-Hn) = (1, 0.5134 | 0.7165, 1, 0.3679), mean 0.7196, so g =
-(1.3897, 0.7135 | 0.9958, 1.3897, 0.5113); M = (1.3897 + 0.1 * 0.5134, 0.7135 | -0.9958 + 0.1 * 1, -1.3897 + 0.1 *
-0.3679, -0.5113) = (1.4411, 0.7135 | -0.8958, -1.3529, -0.5113), mean -0.1211; A' = (1.5621, 0.8346 | -0.7747, -1.2319,
+Worked example: completion 1 (A = +1) has step entropies (0.2, 1.0), completion 2 (A = -1) has (0.6, 0.2, 1.4). Over
+S = 5 steps Hn = (0, 2/3 | 1/3, 0, 1); exp(-Hn) = (1, 0.5134 | 0.7165, 1, 0.3679), mean 0.7196, so g = (1.3897,
+0.7135 | 0.9958, 1.3897, 0.5113); M = (1.3897 + 0.1 * 0.5134, 0.7135 | -0.9958 + 0.1 * 1, -1.3897 + 0.1 * 0.3679,
+-0.5113) = (1.4411, 0.7135 | -0.8958, -1.3529, -0.5113), mean -0.1211; A' = (1.5621, 0.8346 | -0.7747, -1.2319,
 -0.3902): the success's confident step gains most, the failure's confident step loses most. A single-turn completion
 is one step; equal entropies give g = 1 / (1 + 1e-8) and a bonus of zeta on every step but a last.
 
-What `diff grpo_tools.py empg.py` shows: --k, --k_f, --zeta, modulate_advantages(), pi_old's entropies in the batch and
-their pass before every update (as in high_entropy.py), the modulated advantages in main() and their metrics (empg/*).
+What `diff grpo_tools.py empg.py` shows: --k, --k_f, --zeta, modulate_advantages(), pi_old's entropies from a pass
+before every update (as in high_entropy.py), the modulated advantages in main() and their metrics (empg/*).
 
-Reading order, one step (blocks whose header says "infrastructure" are what a first read skips): main(), rollout(),
-model_text(), make_batch(), batched_logprobs_and_entropies(), compute_advantages(), modulate_advantages(),
-update_policy(), token_logprobs(), compute_loss().
+Reading order (blocks whose header says "infrastructure" are what a first read skips): main(), rollout(), make_batch(),
+batched_logprobs_and_entropies(), compute_advantages(), modulate_advantages(), update_policy(), compute_loss().
 """
 
 import dataclasses
@@ -174,9 +170,8 @@ def compute_advantages(rewards, args):
 
 
 def modulate_advantages(advantages, entropy, mask, args, accelerator):
-    """A'_it (the docstring's equations) from the A_i (B,) of every process's completions and this process's pi_old
-    token entropies and mask (B/W, T); step t is a completion's t-th run of model tokens, and min, max and means are
-    over every process's steps, in float64. -> (A'_it on step t's tokens, else 0, (B/W, T); metrics)."""
+    """A'_it (the docstring's equations, in float64 over every process's steps) from every process's A_i (B,) and this
+    process's pi_old token entropies and mask (B/W, T) -> (A'_it on step t's tokens, else 0, (B/W, T); metrics)."""
     turn = (mask * (1 - F.pad(mask[:, :-1], (1, 0)))).cumsum(-1).mul(mask).long()  # t on step t's tokens, else 0
     sums = torch.zeros(len(mask), args.max_turns + 2, dtype=torch.float64, device=mask.device)  # column 0: no step
     H = accelerator.gather((sums.scatter_add(1, turn, entropy.double() * mask) /  # (B, S) every process's steps'
@@ -200,8 +195,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
     """-J(theta) on one micro-batch, as its share of the optimizer mini-batch's loss: summed over the mini-batch's
     micro-batches and processes, the shares give that loss exactly.
 
-    logp (B, T), with gradient; old_logp, ref_logp (None when beta = 0), mask, advantages: (B, T) (A_i on each token
-    of completion i; the mask is 0 on tool output). counts = (num_seqs, num_tokens): the completions and tokens of
+    logp (B, T), with gradient; old_logp, ref_logp (None when beta = 0), mask, advantages: (B, T) (A'_it on the tokens
+    of step t of completion i; 0 on tool output). counts = (num_seqs, num_tokens): the completions and tokens of
     the whole mini-batch, over every micro-batch and process. args: the flags of the loss (--clip_eps, --beta).
     Returns (loss, means: statistics as shares of their mini-batch mean, maxes)."""
     num_seqs, num_tokens = counts
@@ -330,7 +325,6 @@ class Batch:
     advantages: Optional[torch.Tensor] = None  # (B, T) per token (GRPO: the completion's advantage on each token)
     old_logp: Optional[torch.Tensor] = None  # (B, T) pi_old, when the trainer computes it before the update (mu > 1)
     ref_logp: Optional[torch.Tensor] = None  # (B, T) pi_ref, when there is a KL term
-    old_entropy: Optional[torch.Tensor] = None  # (B, T) the entropy of each token's distribution under pi_old
 
     def __len__(self):
         return len(self.mask)
@@ -453,6 +447,7 @@ def batched_logprobs_and_entropies(model, batch, temperature, accelerator, minib
             entropy[minibatch[rows], :micro_logp.shape[1]] = micro_entropy
     return logp, entropy
 
+
 # ---- Policy update --------------------------------------------------------------------------------------------------
 
 
@@ -560,17 +555,16 @@ def main(args):
         for row, model_mask in enumerate(model_masks):
             batch.mask[row, :len(model_mask)] = torch.tensor(model_mask, dtype=torch.float32)
         # pi_old and its entropies before the update: each step's advantage depends on every step's entropy
-        batch.old_logp, batch.old_entropy = batched_logprobs_and_entropies(model, batch, args.temperature, accelerator,
-                                                                           minibatch_size, args.micro_batch_size)
+        batch.old_logp, old_entropy = batched_logprobs_and_entropies(model, batch, args.temperature, accelerator,
+                                                                     minibatch_size, args.micro_batch_size)
         if ref_model is not None:
             batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, accelerator, minibatch_size,
                                               args.micro_batch_size)
         accuracy, formats, failures = scorer.result(scoring)  # failures: answers that could not be checked, by kind
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
-        # 3. Advantages, from every process's rewards (each process holds whole groups), each step's modulated by the
-        #    entropies of every process's steps: A'_it on the tokens of step t of completion i, (B, T).
+        # 3. Advantages, from every process's rewards (each process holds whole groups), modulated per step: A'_it.
         all_rewards = accelerator.gather(rewards.to(accelerator.device))
-        batch.advantages, empg_metrics = modulate_advantages(compute_advantages(all_rewards, args), batch.old_entropy,
+        batch.advantages, empg_metrics = modulate_advantages(compute_advantages(all_rewards, args), old_entropy,
                                                              batch.mask, args, accelerator)
         # 4. mu optimizer steps on this batch; a NaN stops the run before it reaches the weights or a checkpoint.
         try:

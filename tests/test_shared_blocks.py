@@ -29,7 +29,6 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
                 "dpo.py",  # two completions per prompt (its pair); the rollout page refused
                 "opd.py"),  # the teacher resolved, its vocabulary checked; the rollout page refused
     "Rollout batch": ("high_entropy.py",  # + pi_old's entropies
-                      "empg.py",  # + pi_old's entropies
                       "dpo.py",  # + pair_micro_batches: a pair's two completions in one pass
                       "grpo_async.py",  # + the tokens this step's weights sampled
                       "ppo.py"),  # + the critic's values and returns
