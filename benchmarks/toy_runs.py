@@ -39,6 +39,8 @@ VARIANTS = {  # name: (script, flags)
     "reinforce_pp_baseline": ("reinforce_pp.py", ["--baseline"]),
     "gdpo": ("gdpo.py", []),  # accuracy and format normalized separately, then summed
     "top_entropy": ("high_entropy.py", []),  # the policy gradient of the top 20 % tokens only
+    "grpo_tools": ("grpo_tools.py", []),  # the tool task (three-digit products, the Python tool), multi-turn
+    "empg": ("empg.py", []),  # grpo_tools.py with each turn's advantage modulated by its entropy (k 1, k_f 1, zeta 0.1)
     # the entropy-mechanism paper's methods act off-policy: 4 mini-batches (KL-Cov's penalty is 0 on the first)
     "grpo_mu4": ("grpo.py", ["--num_minibatches", "4"]),
     "clip_cov": ("clip_cov.py", ["--num_minibatches", "4"]),
