@@ -24,6 +24,7 @@ EVALUATION = "Evaluation (infrastructure: skip on a first read)"
 ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the others ("*": every script)
     "Algorithm": "*",
     RUN_SETUP: ("grpo_tools.py",  # the embedded model's default leaves room for a tool call
+                "calibrated.py",  # the embedded model's default leaves room for the probability it states
                 "sft.py",  # one target per prompt (gold) or G samples (rft); the RL scripts' run flags refused
                 "dpo.py",  # two completions per prompt (its pair); the rollout page refused
                 "opd.py"),  # the teacher resolved, its vocabulary checked; the rollout page refused
@@ -53,19 +54,23 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
                       "grpo_kl.py",  # k1 in the reward: pi_old before the update, the KL paid from the rewards
                       "high_entropy.py",  # pi_old's entropies before every update
                       "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
-                      "grpo_tools.py"),  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
+                      "grpo_tools.py",  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
+                      "calibrated.py"),  # the reward of the stated probabilities; the prompt asks for one
 }
 FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may differ in a block declared different
     ("grpo_tools.py", "resolve_args"),  # the embedded model's default leaves room for a tool call
+    ("calibrated.py", "resolve_args"),  # the embedded model's default leaves room for the stated probability
     ("grpo_tools.py", "start_evaluation"),  # evaluation through rollout() with the tool; the KL's masks
     ("sft.py", "resolve_args"),  # its own learning-rate default, a group of 1 with gold targets, flags refused
     ("dpo.py", "resolve_args"),  # two sequences per prompt, an even micro-batch, the page refused
     ("opd.py", "resolve_args"),  # the teacher's file and vocabulary, the page refused
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
-    "model": ("grpo_tools.py",),  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
+    "model": ("grpo_tools.py",  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
+              "calibrated.py"),  # the embedded model taught to state a probability (RL cannot reward an unsampled form)
     "task": ("grpo_tools.py",),  # toy_mul: products it cannot compute in its head
-    "max_new_tokens": ("grpo_tools.py",),  # the model's tokens over all turns; room for a tool call on the toy
+    "max_new_tokens": ("grpo_tools.py",  # the model's tokens over all turns; room for a tool call on the toy
+                       "calibrated.py"),  # room for the stated probability on the toy
     "num_epochs": ("ppo.py", "sft.py", "dpo.py"),  # each paper's off-policy regime: mu = num_epochs *
     "num_minibatches": "*",  # num_minibatches (sft.py, dpo.py: passes over targets or pairs, not a rollout batch)
     "tis_cap": ("grpo_async.py",),  # on by default: it is the staleness correction

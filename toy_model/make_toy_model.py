@@ -16,7 +16,7 @@ calibrated.py's default model, toy_model/calibrated/, is this model taught to st
 train problems, 8 per problem at temperature 1, each followed by <confidence>p</confidence>, p the fraction of that
 problem's 8 samples that were right (to one decimal), fitted by supervised learning. Its answers are its own samples,
 so what it learns is the format and a probability of its own success per problem, not the task:
-    python -m toy_model.make_toy_model --calibrated     # ~2 min on one CPU core, after the embedded model exists
+    python -m toy_model.make_toy_model --calibrated     # ~5 min on one CPU core, after the embedded model exists
 """
 
 import json
@@ -212,7 +212,7 @@ def main_tools(out_dir=TOOLS_MODEL_DIR, steps=1200, base=TOY_MODEL_DIR):
     save(model, tokenizer, out_dir)
 
 
-def main_calibrated(out_dir=CALIBRATED_MODEL_DIR, steps=800, base=TOY_MODEL_DIR):
+def main_calibrated(out_dir=CALIBRATED_MODEL_DIR, steps=800, base=TOY_MODEL_DIR, problems=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
@@ -220,7 +220,7 @@ def main_calibrated(out_dir=CALIBRATED_MODEL_DIR, steps=800, base=TOY_MODEL_DIR)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     start = time.time()
-    demos = confidence_demos(model, tokenizer, toy_problems("train"))
+    demos = confidence_demos(model, tokenizer, toy_problems("train")[:problems])  # (None: all 9,500)
     print(f"{len(demos)} demonstrations sampled in {time.time() - start:.1f} s")
     warm_up_confidence(model, demos, steps=steps)
     print(f"confidence warm-up took {time.time() - start:.1f} s")
