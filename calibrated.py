@@ -14,7 +14,7 @@ the paper's uniform risk prior), that payment's mean over t is the reward
 
 which is RLCR's reward, correctness minus the Brier score. Its mean over c ~ Bernoulli(p) is 2pq - q^2, the highest
 at q = p alone (strictly proper) and higher for a likelier answer. A completion whose probability is missing or
-malformed (no tag, "70%", "1.5", two tags, text after the tag) scores -1, the least a stated one can. R_i replaces
+malformed (no tag, "70%", "1.5", two tags, text after the tag) scores -1, the least a stated one earns. R_i replaces
 grpo.py's accuracy + format in the group z-score; the objective is grpo.py's. --risk_threshold t trains one user's
 payment instead (the paper's explicit thresholding): +1 / -1 for q >= t right / wrong, 2t - 1 for IDK or q < t.
 

@@ -165,6 +165,16 @@ def test_statements_read_from_completions_and_their_statistics():
             stats["charts/confidence_malformed_frac"]) == pytest.approx((0.2, 0.2, 0.2))
 
 
+def test_the_loss_and_advantages_are_grpos():
+    """The paper changes the reward only: the objective's functions are grpo.py's, character for character."""
+    import inspect
+
+    import grpo
+
+    for name in ("compute_advantages", "compute_loss", "update_policy", "generate", "token_logprobs"):
+        assert inspect.getsource(getattr(calibrated, name)) == inspect.getsource(getattr(grpo, name)), name
+
+
 def test_calibrated_arguments():
     args = resolved(calibrated)
     assert args.model == CALIBRATED_MODEL and args.max_new_tokens == 80  # room for the answer and its probability
