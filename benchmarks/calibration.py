@@ -5,6 +5,7 @@ reports, and does the calibrated reward keep or improve it?
 
     python benchmarks/calibration.py                       # seeds 1 2 3, 200 steps each, one run at a time
     python benchmarks/calibration.py --seeds 1 --steps 20  # a quick look
+    python benchmarks/calibration.py --reuse               # runs that finished earlier are read, not rerun
 
 Runs benchmarks/toy_runs.py's variants `calibrated` (`python calibrated.py`, its defaults) and `grpo_stating`
 (`python grpo.py --model toy_model/calibrated --max_new_tokens 80`: grpo.py's reward, accuracy + 0.1 format, on the
@@ -51,17 +52,21 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--name", default="toy_calibration")
     parser.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "benchmarks"))
+    parser.add_argument("--reuse", action="store_true", help="read runs of the same command that finished earlier "
+                        "in --out_dir instead of rerunning them (toy_runs.py's --reuse)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more flags for every run (both scripts)")
     args = parser.parse_args()
     extra = [a for a in args.extra if a != "--"]
     out_dir = os.path.join(args.out_dir, args.name)
     os.makedirs(out_dir, exist_ok=True)
     start = start_evaluation(out_dir, extra)
-    results = [run(variant, seed, args.steps, out_dir, extra) for variant in VARIANTS for seed in args.seeds]
+    results = [run(variant, seed, args.steps, out_dir, extra, args.reuse) for variant in VARIANTS
+               for seed in args.seeds]
     header = "| " + " | ".join(label for _, label in KEYS) + " |"
     seeds = " ".join(map(str, args.seeds))
     lines = [f"# {args.name}", "", f"Command: `python benchmarks/calibration.py --seeds {seeds} --steps {args.steps}"
-             f"{' -- ' + ' '.join(extra) if extra else ''}`: benchmarks/toy_runs.py's variants "
+             f"{' --reuse' if args.reuse else ''}{' -- ' + ' '.join(extra) if extra else ''}`: "
+             "benchmarks/toy_runs.py's variants "
              f"{' and '.join(VARIANTS)} ({args.steps} steps, evaluated every {max(1, args.steps // 4)}), after "
              "`calibrated.py --eval_only` of the start (toy_model/calibrated/). Held-out greedy completions, one per "
              "problem (`eval/problems` of them); AHR: answered and right over answered and wrong at risk threshold "
