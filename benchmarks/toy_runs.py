@@ -60,6 +60,8 @@ VARIANTS = {  # name: (script, flags)
     "dpo_online_lr1e-4": ("dpo.py", ["--data", "online", "--learning_rate", "1e-4"]),  # online at the same rate
     "dpo_offline_beta3_lr5e-4": ("dpo.py", ["--data", "offline", "--beta", "3"]),
     "dpo_online_beta3": ("dpo.py", ["--data", "online", "--learning_rate", "1e-4", "--beta", "3"]),
+    "calibrated": ("calibrated.py", []),  # a stated probability paid by 2 c q - q^2 (toy_model/calibrated, 80 tokens)
+    "grpo_stating": ("grpo.py", ["--model", "toy_model/calibrated", "--max_new_tokens", "80"]),  # the same start
     "ppo": ("ppo.py", []),  # 128 prompts x 1 completion, 2 epochs of 2 mini-batches
     "ppo_groups": ("ppo.py", ["--num_generations", "8", "--prompts_per_step", "16"]),  # as many completions, in groups
     "ppo_256_prompts": ("ppo.py", ["--prompts_per_step", "256"]),  # twice the batch

@@ -1,15 +1,17 @@
 """A script's held-out evaluation (Evaluation, which its main() calls at every step): the policy's pass@1 greedy and
-sampled, pass@k and the greedy format rate over processes (pass_rates); and what training changed beyond its task
+sampled, pass@k and the greedy format rate over processes (pass_rates), and the calibration of the probabilities its
+greedy completions state, where they state one (calibration_metrics); and what training changed beyond its task
 (Tracking): other tasks' accuracy and the forward KL to the initial policy."""
 
 import os
 import re
 import time
 
+import numpy as np
 import torch
 
 from plumbing.engine import Sample
-from utils.rewards import EXTRACTORS, RewardScorer
+from utils.rewards import EXTRACTORS, RewardScorer, stated_confidence
 from utils.rl import pass_at_k
 from utils.tasks import TOY_TASKS, load_task
 
@@ -25,6 +27,7 @@ def pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, run, chunk_si
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in mine]
     ks = [2 ** i for i in range(1, run.eval_samples.bit_length())]  # 2, 4, ... up to eval_samples
     totals = torch.zeros(4 + len(ks), device=accelerator.device)  # greedy, sampled, problems, format, pass@k sums
+    statements = []  # each greedy completion's stated probability (nan: none), abstention, correctness
     size = chunk_size or max(1, len(prompts))
     for start in range(0, len(prompts), size):
         chunk, chunk_rows = prompts[start:start + size], mine[start:start + size]
@@ -34,6 +37,9 @@ def pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, run, chunk_si
             totals[column] += sum(acc) / n
             if column == 0:
                 totals[3] += sum(formats)
+                for text, right in zip(texts, acc):
+                    q, kind = stated_confidence(text, scorer.extract)
+                    statements.append((np.nan if q is None else q, kind == "abstained", right))
             for j, k in enumerate(ks if column == 1 else []):  # each problem's n samples are consecutive
                 totals[4 + j] += sum(pass_at_k(n, int(sum(acc[i:i + n])), k) for i in range(0, len(acc), n))
         totals[2] += len(chunk)
@@ -41,7 +47,64 @@ def pass_rates(sample_texts, scorer, tokenizer, rows, accelerator, run, chunk_si
     n = totals[2].clamp(min=1)
     return {"eval/pass@1_greedy": (totals[0] / n).item(), f"eval/pass@1_sampled_k{run.eval_samples}":
             (totals[1] / n).item(), **{f"eval/pass@{k}": (totals[4 + j] / n).item() for j, k in enumerate(ks)},
-            "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item())}
+            "eval/format_greedy": (totals[3] / n).item(), "eval/problems": int(totals[2].item()),
+            **calibration(statements, accelerator, run.eval_risk_threshold)}
+
+
+def calibration(statements, accelerator, threshold):
+    """calibration_metrics as eval/calibration/<name> over every process's greedy completions ((q, abstained,
+    correct) each), where any of them states a probability; else {} (a run whose format carries none logs none)."""
+    local = torch.tensor(statements, dtype=torch.float64, device=accelerator.device).reshape(-1, 3)
+    q, abstained, correct = accelerator.gather(local).cpu().numpy().T  # as many completions on every process
+    if np.isnan(q).all():
+        return {}
+    return {f"eval/calibration/{k}": v for k, v in calibration_metrics(q, abstained > 0, correct, threshold).items()}
+
+
+RISK_GRID = tuple(i / 10 for i in range(10))  # the risk thresholds eval/calibration/log_ahr_gain averages over
+ECE_BINS = 10
+
+
+def calibration_metrics(q, abstained, correct, threshold):
+    """The calibration of stated probabilities (arXiv 2512.19920; 2507.16806), one completion per problem: q (n,) the
+    probability each states that its answer is correct (nan: none, an abstention's too), abstained (n,) bool (IDK as
+    the answer), correct (n,) 0/1 -> {name: float}:
+    - stated_frac: the completions that state a probability; over them: confidence_mean, the mean q; ece, the
+      expected calibration error over ECE_BINS equal-width bins of q ([0, 0.1), ..., [0.9, 1]):
+      sum_b |sum_{i in b} (c_i - q_i)| / (completions stating one); brier, the mean (q - c)^2; auroc, the probability
+      that a right answer states a higher q than a wrong one, ties half (nan unless both occur);
+    - at the user's risk threshold t (2512.19920's behavior: answer when q >= t, else abstain): abstention, IDK or
+      q < t; accuracy, answered and right; hallucination, answered and wrong; each over all n (a completion that
+      states no probability answers); ahr, the Accuracy-to-Hallucination Ratio accuracy / hallucination (nan
+      without a hallucination);
+    - log_ahr_gain: the mean of ln AHR(t) - ln AHR(0) over the thresholds t in RISK_GRID at which some completion
+      answers (where all abstain there is no ratio), the gain over answering whatever the confidence; each AHR from
+      the counts plus one (finite where no answer is wrong)."""
+    q, correct = np.asarray(q, dtype=np.float64), np.asarray(correct, dtype=np.float64)
+    abstained = np.asarray(abstained, dtype=bool)
+    stated = ~np.isnan(q) & ~abstained
+    qs, cs = q[stated], correct[stated]
+    bins = np.minimum(np.floor(qs * ECE_BINS + 1e-9).astype(int), ECE_BINS - 1)  # q = 0.3 in [0.3, 0.4)
+    right, wrong = qs[cs == 1], qs[cs == 0]
+    pairs = len(right) * len(wrong)
+    auroc = ((right[:, None] > wrong).sum() + 0.5 * (right[:, None] == wrong).sum()) / pairs if pairs else np.nan
+
+    def answered(t):
+        return ~abstained & ~(q < t)  # (nan < t is False: no stated probability, no abstention)
+
+    def counts_ratio(t):  # (answered and right + 1) / (answered and wrong + 1)
+        return ((answered(t) & (correct == 1)).sum() + 1) / ((answered(t) & (correct == 0)).sum() + 1)
+
+    at = answered(threshold)
+    accuracy, hallucination = (at & (correct == 1)).mean(), (at & (correct == 0)).mean()
+    return {name: float(value) for name, value in {
+            "stated_frac": stated.mean(), "confidence_mean": qs.mean() if len(qs) else np.nan,
+            "ece": sum(abs((cs - qs)[bins == b].sum()) for b in range(ECE_BINS)) / len(qs) if len(qs) else np.nan,
+            "brier": ((qs - cs) ** 2).mean() if len(qs) else np.nan, "auroc": float(auroc),
+            "accuracy": accuracy, "hallucination": hallucination, "abstention": 1 - at.mean(),
+            "ahr": accuracy / hallucination if hallucination else np.nan,
+            "log_ahr_gain": np.mean([np.log(counts_ratio(t) / counts_ratio(0.0)) for t in RISK_GRID
+                                     if answered(t).any()] or [np.nan])}.items()}
 
 
 def prior_task_name(task):

@@ -104,6 +104,9 @@ class RunArgs:
     """sampled-eval temperature (DeepSeek-R1 convention)"""
     eval_top_p: float = 0.95
     """sampled-eval top-p"""
+    eval_risk_threshold: float = 0.5
+    """the user's risk threshold t of the calibration metrics (eval/calibration/*, logged where greedy completions
+    state a probability q, calibrated.py's format): a completion with q < t, or IDK as its answer, abstains"""
     prior_tasks: tuple[str, ...] = ()
     """held-out tasks (any --task value) evaluated at every evaluation beside the training task, greedy, as their
     rewards check them and leniently (the last number where the asked-for form is missing), each under
@@ -557,6 +560,9 @@ def check_run_args(run, total_steps, model, task):
         if not getattr(run, name) >= 0:
             raise ValueError(f"--{name} {getattr(run, name)}: must be >= 0")
     check_fraction(run, "eval_top_p")
+    if not 0 <= run.eval_risk_threshold <= 1:
+        raise ValueError(f"--eval_risk_threshold {run.eval_risk_threshold}: must be in [0, 1] (a probability below "
+                         "which a completion abstains)")
     if run.prior_tasks:
         check_positive(run, "prior_eval_size")
         for prior in run.prior_tasks:

@@ -317,6 +317,25 @@ def test_tool_use_runs_the_toy_tool_task(tmp_path):
 
 
 @pytest.mark.slow
+def test_calibration_runs_both_variants_after_the_start_and_reuses_them(tmp_path):
+    """benchmarks/calibration.py: the start's --eval_only, then calibrated.py and grpo.py from the stating model, each
+    evaluation's calibration keys in the table (the default lengths: room for the stated probability); --reuse reads
+    the finished runs back instead of rerunning them."""
+    args = ["benchmarks/calibration.py", "--seeds", "1", "--steps", "1", "--name", "calib", "--out_dir",
+            str(tmp_path / "runs"), "--", *TINY_RUN[:6], "--eval_size", "4", "--eval_samples", "1",
+            "--log_completions_every", "0"]
+    out = run_benchmark(args, tmp_path)
+    assert (tmp_path / "calib.md").read_text().strip() in out
+    rows = [row for row in table_rows(out, 14) if row[:3] in (["start", "-", "0"], ["calibrated", "1", "1"],
+                                                               ["grpo_stating", "1", "1"])]
+    assert len(rows) == 3 and all(row[-1] != "nan" for row in rows)  # every evaluation read a stated probability
+    done = tmp_path / "runs" / "calib" / "calibrated__1" / "benchmark.json"
+    written = done.stat().st_mtime_ns
+    again = run_benchmark([*args[:args.index("--")], "--reuse", *args[args.index("--"):]], tmp_path)
+    assert done.stat().st_mtime_ns == written and "| calibrated | 1 | 1 |" in again
+
+
+@pytest.mark.slow
 def test_sandbox_calls_times_every_module_set(tmp_path):
     out = run_benchmark(["benchmarks/sandbox_calls.py", "--calls", "4", "--repeats", "1"], tmp_path)
     rows = table_rows((tmp_path / "sandbox_calls.md").read_text(), 5)[2:]

@@ -90,6 +90,7 @@ def test_off_policy_clipping(ratio, adv, loss_value, grad_flows):
     ("grpo", lambda n, B, N, L: 1 / (n * B)),  # 1/G sum_i 1/|o_i| sum_t
     ("gspo", lambda n, B, N, L: 1 / (n * B)),
     ("high_entropy", lambda n, B, N, L: 1 / (n * B)),
+    ("calibrated", lambda n, B, N, L: 1 / (n * B)),  # grpo.py's loss; its paper changes the reward
     ("dapo", lambda n, B, N, L: 1 / N),  # token-mean
     ("cispo", lambda n, B, N, L: 1 / N),
     ("aspo", lambda n, B, N, L: 1 / N),

@@ -25,6 +25,7 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
     "Algorithm": "*",
     RUN_SETUP: ("grpo_tools.py",  # the embedded model's default leaves room for a tool call
                 "empg.py",  # grpo_tools.py's
+                "calibrated.py",  # the embedded model's default leaves room for the probability it states
                 "sft.py",  # one target per prompt (gold) or G samples (rft); the RL scripts' run flags refused
                 "dpo.py",  # two completions per prompt (its pair); the rollout page refused
                 "opd.py"),  # the teacher resolved, its vocabulary checked; the rollout page refused
@@ -58,10 +59,12 @@ ALGORITHM_SPECIFIC = {  # block name -> the scripts where it may differ from the
                       "high_entropy.py",  # pi_old's entropies before every update
                       "grpo_async.py",  # the carried groups: rollout, staleness metrics, checkpointed carry-over
                       "grpo_tools.py",  # multi-turn rollouts with the sandbox, tool output masked, tool metrics
-                      "empg.py"),  # grpo_tools.py's, with pi_old's entropies before the update modulating A per turn
+                      "empg.py",  # grpo_tools.py's, with pi_old's entropies before the update modulating A per turn
+                      "calibrated.py"),  # the reward of the stated probabilities; the prompt asks for one
 }
 FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may differ in a block declared different
     ("grpo_tools.py", "resolve_args"),  # the embedded model's default leaves room for a tool call
+    ("calibrated.py", "resolve_args"),  # the embedded model's default leaves room for the stated probability
     ("grpo_tools.py", "start_evaluation"),  # evaluation through rollout() with the tool; the KL's masks
     ("empg.py", "resolve_args"),  # grpo_tools.py's
     ("empg.py", "start_evaluation"),  # grpo_tools.py's
@@ -70,9 +73,11 @@ FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may 
     ("opd.py", "resolve_args"),  # the teacher's file and vocabulary, the page refused
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
-    "model": ("grpo_tools.py", "empg.py"),  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
+    "model": ("grpo_tools.py", "empg.py",  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
+              "calibrated.py"),  # the embedded model taught to state a probability (RL cannot reward an unsampled form)
     "task": ("grpo_tools.py", "empg.py"),  # toy_mul: products it cannot compute in its head
-    "max_new_tokens": ("grpo_tools.py", "empg.py"),  # the model's tokens over all turns; room for a tool call
+    "max_new_tokens": ("grpo_tools.py", "empg.py",  # the model's tokens over all turns; room for a tool call on the toy
+                       "calibrated.py"),  # room for the stated probability on the toy
     "num_epochs": ("ppo.py", "sft.py", "dpo.py"),  # each paper's off-policy regime: mu = num_epochs *
     "num_minibatches": "*",  # num_minibatches (sft.py, dpo.py: passes over targets or pairs, not a rollout batch)
     "tis_cap": ("grpo_async.py",),  # on by default: it is the staleness correction

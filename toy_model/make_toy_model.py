@@ -10,6 +10,13 @@ grpo_tools.py's default model, toy_model/tools/, is this model warmed up further
 times two-digit products, which it cannot compute in its head), a fraction of the examples calling the Python tool
 (ToRA's convention, plumbing/tools.py) and the others guessing the product; the tool's output tokens are not trained:
     python -m toy_model.make_toy_model --tools     # ~1 min on one CPU core, after the embedded model exists
+
+calibrated.py's default model, toy_model/calibrated/, is this model taught to state a probability after its answer
+(the embedded model never writes one, and RL cannot reward a format that is never sampled): its own samples of the
+train problems, 8 per problem at temperature 1, each followed by <confidence>p</confidence>, p the fraction of that
+problem's 8 samples that were right (to one decimal), fitted by supervised learning. Its answers are its own samples,
+so what it learns is the format and a probability of its own success per problem, not the task:
+    python -m toy_model.make_toy_model --calibrated     # ~5 min on one CPU core, after the embedded model exists
 """
 
 import json
@@ -19,10 +26,12 @@ import time
 
 import torch
 
+from utils.rewards import extract_answer_tag
 from utils.tasks import TOY_MODEL_DIR, toy_mul_problems, toy_problems
 from plumbing.tools import TOOL_STOP, output_block
 
 TOOLS_MODEL_DIR = os.path.join(TOY_MODEL_DIR, "tools")
+CALIBRATED_MODEL_DIR = os.path.join(TOY_MODEL_DIR, "calibrated")
 
 SPECIAL_TOKENS = ["<pad>", "<eos>"]
 
@@ -135,6 +144,46 @@ def warm_up_tools(model, tokenizer, steps, batch_size=64, lr=3e-3, seed=0, call_
     model.eval()
 
 
+@torch.no_grad()
+def confidence_demos(model, tokenizer, rows, samples=8, batch_size=128, seed=0):
+    """The model's own completions of `rows`, `samples` each (temperature 1, at most 48 tokens; those cut there
+    dropped), each followed by <confidence>p</confidence>, p the fraction of its problem's samples that are right,
+    to one decimal: a list of (prompt ids, completion ids ending with <eos>)."""
+    torch.manual_seed(seed)
+    demos = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]  # every toy prompt has 6 characters: no padding
+        prompts = torch.tensor([tokenizer(r["prompt"])["input_ids"] for r in chunk])
+        out = model.generate(prompts, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=48,
+                             num_return_sequences=samples, pad_token_id=0, eos_token_id=1)[:, prompts.shape[1]:]
+        for k, row in enumerate(chunk):
+            ids = out[k * samples:(k + 1) * samples].tolist()
+            texts = [tokenizer.decode(c, skip_special_tokens=True) for c in ids]
+            p = sum(extract_answer_tag(t) == row["answer"] for t in texts) / samples
+            demos += [(prompts[k].tolist(), tokenizer(f"{t}<confidence>{p:.1f}</confidence>")["input_ids"] + [1])
+                      for t, c in zip(texts, ids) if 1 in c]
+    return demos
+
+
+def warm_up_confidence(model, demos, steps, batch_size=64, lr=1e-3, seed=0):
+    """Supervised learning on the demonstrations (prompt, completion): loss on the completions' tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        picked = [demos[i] for i in torch.randint(len(demos), (batch_size,), generator=gen).tolist()]
+        width = max(len(p) + len(c) for p, c in picked)
+        ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for p, c in picked])
+        labels = torch.tensor([[-100] * len(p) + c + [-100] * (width - len(p) - len(c)) for p, c in picked])
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            print(f"confidence warm-up step {step} loss {loss.item():.3f}")
+    model.eval()
+
+
 def save(model, tokenizer, out_dir):
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
     model.save_pretrained(out_dir)
@@ -163,6 +212,21 @@ def main_tools(out_dir=TOOLS_MODEL_DIR, steps=1200, base=TOY_MODEL_DIR):
     save(model, tokenizer, out_dir)
 
 
+def main_calibrated(out_dir=CALIBRATED_MODEL_DIR, steps=800, base=TOY_MODEL_DIR, problems=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    start = time.time()
+    demos = confidence_demos(model, tokenizer, toy_problems("train")[:problems])  # (None: all 9,500)
+    print(f"{len(demos)} demonstrations sampled in {time.time() - start:.1f} s")
+    warm_up_confidence(model, demos, steps=steps)
+    print(f"confidence warm-up took {time.time() - start:.1f} s")
+    save(model, tokenizer, out_dir)
+
+
 def main(out_dir=TOY_MODEL_DIR, steps=400):
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -175,4 +239,4 @@ def main(out_dir=TOY_MODEL_DIR, steps=400):
 
 
 if __name__ == "__main__":
-    main_tools() if "--tools" in sys.argv[1:] else main()
+    main_tools() if "--tools" in sys.argv[1:] else main_calibrated() if "--calibrated" in sys.argv[1:] else main()

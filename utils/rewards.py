@@ -19,6 +19,9 @@ through, so answers are read strictly and every check is bounded:
   nothing long after it, not empty, and parsed by the checker (a number when the gold is a number). An empty box, a
   copy of the instruction or the question echoed in the box earns nothing: a real policy learns within minutes to
   emit whatever a format reward pays for.
+- A stated probability (calibrated.py's format: the answer, then <confidence>q</confidence> ending the completion)
+  is read by stated_confidence, strictly (one decimal in [0, 1], nothing after the tag), and set aside before the
+  answer is checked, so a completion that states one is scored on its answer as any other.
 """
 
 import collections
@@ -79,6 +82,35 @@ def extract_answer_tag(text):
 
 
 EXTRACTORS = {"boxed": extract_boxed, "answer_tags": extract_answer_tag}  # the answer formats a completion is asked for
+# a stated probability ending the completion: 0, 1, 0.7, .25, 1.0 (at most 6 decimals); not 70%, 1e-1, 0.7 or 0.8
+STATED = re.compile(r"<confidence>\s*(0(?:\.[0-9]{1,6})?|1(?:\.0{1,6})?|\.[0-9]{1,6})\s*</confidence>\s*")
+ABSTENTIONS = ("idk", "i don't know", "i do not know")  # an answer that abstains (calibrated.py's instruction: IDK)
+
+
+def split_confidence(text):
+    """The probability a completion states that its answer is correct (arXiv 2507.16806's and 2512.19920's format:
+    the answer, then <confidence>q</confidence>, nothing after it but whitespace) -> (the text before the tag, q,
+    "stated"); else (text, None, "missing") when no tag opens, or (text, None, "malformed"): more than one tag, a tag
+    not closed at the end, or one that does not hold exactly one decimal in [0, 1]. Linear scans, no eval."""
+    start = text.rfind("<confidence>")
+    if start < 0:
+        return text, None, "missing"
+    match = STATED.fullmatch(text, start)
+    if match is None or text.count("<confidence>") > 1:
+        return text, None, "malformed"
+    return text[:start], float(match.group(1)), "stated"
+
+
+def stated_confidence(text, extract):
+    """(q, kind) of a completion whose answer `extract` reads (EXTRACTORS): kind "abstained" (its answer is IDK, or
+    I don't know: q None, whatever follows), else split_confidence's q and kind ("stated", "missing", "malformed")."""
+    before, q, kind = split_confidence(text)
+    answer = extract(before)
+    if answer is not None and len(answer) <= 20 and answer.strip().lower().rstrip(".") in ABSTENTIONS:
+        return None, "abstained"
+    return q, kind
+
+
 LAST_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
 
 
@@ -331,6 +363,7 @@ class RewardScorer:
         self.pool.schedule(os.getpid)  # the workers start now and warm up while the caller loads its models
 
     def submit(self, completions, golds):
+        completions = [split_confidence(c)[0] for c in completions]  # a stated probability is not the answer's part
         job = ScoreJob(completions, self.answer_format)
         answers = [self.extract(c) for c in completions]
         checks = collections.defaultdict(list)  # (gold key, distinct answer) -> the completions that gave it

@@ -38,6 +38,10 @@ USER_INSTRUCTIONS = {  # a copy of the placeholder is never a readable answer (u
     "boxed": f"Give the final answer as \\boxed{{{ANSWER_PLACEHOLDER}}}.",
     "answer_tags": f"Give the final answer as <answer>{ANSWER_PLACEHOLDER}</answer>.",
 }
+# calibrated.py's request for a stated probability (arXiv 2512.19920), before the answer format's; a copied
+# <confidence>P</confidence> holds no number, and scores as a malformed probability
+CONFIDENCE_INSTRUCTION = ("End with the probability, from 0 to 1, that your final answer is correct, as "
+                          "<confidence>P</confidence> after it; if you do not know, give IDK as the final answer.")
 ANSWER_DELIMITERS = {"boxed": ("\\boxed{", "}"), "answer_tags": ("<answer>", "</answer>")}  # around the answer
 PROMPT_FIELDS, ANSWER_FIELDS = ("prompt", "question", "problem"), ("answer", "solution")
 DATA_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
