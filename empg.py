@@ -25,7 +25,7 @@ What `diff grpo_tools.py empg.py` shows: --k, --k_f, --zeta, modulate_advantages
 before every update (as in high_entropy.py), the modulated advantages in main() and their metrics (empg/*).
 
 Reading order (blocks whose header says "infrastructure" are what a first read skips): main(), rollout(), make_batch(),
-batched_logprobs_and_entropies(), compute_advantages(), modulate_advantages(), update_policy(), compute_loss().
+batched_logprobs(), compute_advantages(), modulate_advantages(), update_policy(), compute_loss().
 """
 
 import dataclasses
@@ -221,20 +221,11 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
 # ---- Rollout: vLLM (colocated, sleep mode on GPU) or the HF decode loop ---------------------------------------------
 
 
-class ToolDecoder(HFDecoder):
-    """The HF decode loop for one turn (each row its own token budget): a row that reaches TOOL_STOP ends there, its
-    tokens kept (as vLLM's stop strings)."""
-
-    def stops(self, tokenizer, tokens, rows, t):  # only the newest tokens can complete it (every token is >= 1 char)
-        tails = tokenizer.batch_decode(tokens[rows, max(0, t + 1 - len(TOOL_STOP)):t + 1].tolist())
-        return torch.tensor([TOOL_STOP in tail for tail in tails])
-
-
 def sample(engine, model, tokenizer, prompts, n, temperature, top_p, budgets, accelerator):
     """One turn: n completions per prompt (token-id lists), each ending at a stop token, at TOOL_STOP (its tokens
     kept) or after its own budget of new tokens -> n * len(prompts) Samples. The engine is awake (rollout())."""
     if engine.llm is None:
-        decoder = ToolDecoder(engine.stop_ids, [b for b in budgets for _ in range(n)])
+        decoder = HFDecoder(engine.stop_ids, [b for b in budgets for _ in range(n)], stop_strings=[TOOL_STOP])
         return decoder.generate(model, tokenizer, prompts, n, temperature, top_p, max(budgets), accelerator)
     from vllm import SamplingParams
 
@@ -425,27 +416,18 @@ def token_entropy(logits, temperature):
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, micro_batch_size):
+def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, micro_batch_size, with_entropy=False):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit."""
-    logp = torch.zeros_like(batch.mask)
-    for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
-        for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
-            micro_logp, _ = token_logprobs(model, micro, temperature, accelerator)
-            logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
-    return logp
-
-
-@torch.no_grad()
-def batched_logprobs_and_entropies(model, batch, temperature, accelerator, minibatch_size, micro_batch_size):
-    """batched_logprobs with each position's entropy: ((B, T), (B, T)), without gradient."""
+    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit.
+    with_entropy: (the log-probs, each position's entropy)."""
     logp, entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
-            micro_logp, micro_entropy = token_logprobs(model, micro, temperature, accelerator, with_entropy=True)
+            micro_logp, entropies = token_logprobs(model, micro, temperature, accelerator, with_entropy=with_entropy)
             logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
-            entropy[minibatch[rows], :micro_logp.shape[1]] = micro_entropy
-    return logp, entropy
+            if with_entropy:
+                entropy[minibatch[rows], :micro_logp.shape[1]] = entropies
+    return (logp, entropy) if with_entropy else logp
 
 
 # ---- Policy update --------------------------------------------------------------------------------------------------
@@ -555,8 +537,8 @@ def main(args):
         for row, model_mask in enumerate(model_masks):
             batch.mask[row, :len(model_mask)] = torch.tensor(model_mask, dtype=torch.float32)
         # pi_old and its entropies before the update: each step's advantage depends on every step's entropy
-        batch.old_logp, old_entropy = batched_logprobs_and_entropies(model, batch, args.temperature, accelerator,
-                                                                     minibatch_size, args.micro_batch_size)
+        batch.old_logp, old_entropy = batched_logprobs(model, batch, args.temperature, accelerator, minibatch_size,
+                                                       args.micro_batch_size, with_entropy=True)
         if ref_model is not None:
             batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, accelerator, minibatch_size,
                                               args.micro_batch_size)

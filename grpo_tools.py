@@ -20,8 +20,9 @@ weights (one policy version per step). Run `python grpo_tools.py` (the embedded 
 sometimes, three-digit products, CPU), or see README.md for GPUs.
 
 What `diff grpo.py grpo_tools.py` shows: the tool flags and the tool's embedded model and task, the engine's longer
-context and a decode loop that stops at a closed code block (sample, ToolDecoder), the multi-turn rollout with its
-masks (Tool calls), the reward read from the model's text, evaluation with the tool, and the tool metrics.
+context and a decode loop that stops at a closed code block (sample(), HFDecoder's stop_strings), the multi-turn
+rollout with its masks (Tool calls), the reward read from the model's text, evaluation with the tool, and the tool
+metrics.
 
 Reading order, one step (blocks whose header says "infrastructure" are what a first read skips): main(), rollout() (its
 turns: sample(), then the sandbox), model_text(), make_batch(), compute_advantages(), update_policy(), token_logprobs(),
@@ -189,20 +190,11 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, counts, args):
 # ---- Rollout: vLLM (colocated, sleep mode on GPU) or the HF decode loop ---------------------------------------------
 
 
-class ToolDecoder(HFDecoder):
-    """The HF decode loop for one turn (each row its own token budget): a row that reaches TOOL_STOP ends there, its
-    tokens kept (as vLLM's stop strings)."""
-
-    def stops(self, tokenizer, tokens, rows, t):  # only the newest tokens can complete it (every token is >= 1 char)
-        tails = tokenizer.batch_decode(tokens[rows, max(0, t + 1 - len(TOOL_STOP)):t + 1].tolist())
-        return torch.tensor([TOOL_STOP in tail for tail in tails])
-
-
 def sample(engine, model, tokenizer, prompts, n, temperature, top_p, budgets, accelerator):
     """One turn: n completions per prompt (token-id lists), each ending at a stop token, at TOOL_STOP (its tokens
     kept) or after its own budget of new tokens -> n * len(prompts) Samples. The engine is awake (rollout())."""
     if engine.llm is None:
-        decoder = ToolDecoder(engine.stop_ids, [b for b in budgets for _ in range(n)])
+        decoder = HFDecoder(engine.stop_ids, [b for b in budgets for _ in range(n)], stop_strings=[TOOL_STOP])
         return decoder.generate(model, tokenizer, prompts, n, temperature, top_p, max(budgets), accelerator)
     from vllm import SamplingParams
 

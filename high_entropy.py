@@ -20,11 +20,11 @@ before its first backward pass. The paper applies it to DAPO; here it is applied
 grpo.py's DAPO.
 
 What `diff grpo.py high_entropy.py` shows: --top_entropy_frac and the threshold (entropy_threshold), the batch
-carrying pi_old's entropies (Batch, batched_logprobs_and_entropies), their pass before every update, and the mask in
+carrying pi_old's entropies (Batch, batched_logprobs' with_entropy), their pass before every update, and the mask in
 update_policy with its metrics (policy/entropy_threshold, policy/entropy_kept_frac).
 
 Reading order, one step (blocks whose header says "infrastructure" are what a first read skips): main(), generate(),
-make_batch(), batched_logprobs_and_entropies(), compute_advantages(), update_policy() with entropy_threshold(),
+make_batch(), batched_logprobs(), compute_advantages(), update_policy() with entropy_threshold(),
 token_logprobs(), compute_loss().
 """
 
@@ -322,27 +322,18 @@ def token_entropy(logits, temperature):
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, micro_batch_size):
+def batched_logprobs(model, batch, temperature, accelerator, minibatch_size, micro_batch_size, with_entropy=False):
     """The trainer's log-probs of a whole rollout batch, (B, T), without gradient (pi_old before the update, pi_ref),
-    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit."""
-    logp = torch.zeros_like(batch.mask)
-    for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
-        for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
-            micro_logp, _ = token_logprobs(model, micro, temperature, accelerator)
-            logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
-    return logp
-
-
-@torch.no_grad()
-def batched_logprobs_and_entropies(model, batch, temperature, accelerator, minibatch_size, micro_batch_size):
-    """batched_logprobs with each position's entropy: ((B, T), (B, T)), without gradient."""
+    over the micro-batches of update_policy's first epoch: pi_old equals the first mini-batch's pi_theta bit for bit.
+    with_entropy: (the log-probs, each position's entropy)."""
     logp, entropy = torch.zeros_like(batch.mask), torch.zeros_like(batch.mask)
     for minibatch in torch.arange(len(batch), device=logp.device).split(minibatch_size):
         for rows, micro in micro_batches(batch.select(minibatch), micro_batch_size):
-            micro_logp, micro_entropy = token_logprobs(model, micro, temperature, accelerator, with_entropy=True)
+            micro_logp, entropies = token_logprobs(model, micro, temperature, accelerator, with_entropy=with_entropy)
             logp[minibatch[rows], :micro_logp.shape[1]] = micro_logp
-            entropy[minibatch[rows], :micro_logp.shape[1]] = micro_entropy
-    return logp, entropy
+            if with_entropy:
+                entropy[minibatch[rows], :micro_logp.shape[1]] = entropies
+    return (logp, entropy) if with_entropy else logp
 
 
 # ---- Policy update --------------------------------------------------------------------------------------------------
@@ -447,8 +438,8 @@ def main(args):
         scoring = scorer.submit(texts, [r for r in rows for _ in range(G)])  # rows: a task's verifier may need more
         batch = make_batch([p for p in prompts for _ in range(G)], samples, tokenizer.pad_token_id, accelerator.device)
         # pi_old and its entropies before the update: a threshold over the mini-batch needs them all at its start
-        batch.old_logp, batch.old_entropy = batched_logprobs_and_entropies(model, batch, args.temperature, accelerator,
-                                                                           minibatch_size, args.micro_batch_size)
+        batch.old_logp, batch.old_entropy = batched_logprobs(model, batch, args.temperature, accelerator,
+                                                             minibatch_size, args.micro_batch_size, with_entropy=True)
         if ref_model is not None:
             batch.ref_logp = batched_logprobs(ref_model, batch, args.temperature, accelerator, minibatch_size,
                                               args.micro_batch_size)

@@ -105,15 +105,21 @@ class HFDecoder:
     step costs the completions still running (2.1x faster than transformers' generate() on the toy:
     benchmarks/hf_decode.py). Under FSDP every rank runs every forward pass (each gathers the weights): a rank whose
     rows are done keeps a dummy row until every rank is done. `budgets`: each row's own limit of new tokens (a
-    continued completion has fewer left; None: max_new_tokens for every row). Rollouts of another shape subclass it
-    (plumbing/partial_rollouts.py, grpo_tools.py) and override the two hooks below; here they change nothing."""
+    continued completion has fewer left; None: max_new_tokens for every row). `stop_strings`: a row whose text
+    reaches one ends there, its tokens kept (vLLM's `stop`; grpo_tools.py's end of a code block). Rollouts of another
+    shape subclass it (plumbing/partial_rollouts.py) and override the two hooks below."""
 
-    def __init__(self, stop_ids, budgets=None):
-        self.stop_ids, self.budgets = stop_ids, budgets
+    def __init__(self, stop_ids, budgets=None, stop_strings=()):
+        self.stop_ids, self.budgets, self.stop_strings = stop_ids, budgets, tuple(stop_strings)
 
     def stops(self, tokenizer, tokens, rows, t):
-        """(len(rows),) bool: rows that end at step t for another reason than a stop token (not truncated)."""
-        return torch.zeros(len(rows), dtype=torch.bool)
+        """(len(rows),) bool: rows that end at step t for another reason than a stop token (not truncated): a stop
+        string completed by the newest tokens (only they can complete one: every token is at least one character)."""
+        if not self.stop_strings:
+            return torch.zeros(len(rows), dtype=torch.bool)
+        width = max(map(len, self.stop_strings))
+        tails = tokenizer.batch_decode(tokens[rows, max(0, t + 1 - width):t + 1].tolist())
+        return torch.tensor([any(stop in tail for stop in self.stop_strings) for tail in tails])
 
     def enough(self, ended):
         """Called each step with the rows that ended at it: True stops decoding, the running rows as they are."""

@@ -249,7 +249,7 @@ def test_the_step_pi_olds_entropies_modulate_the_update():
     batch = tool_batch(tokenizer)
     args = dataclasses.replace(resolved(empg, beta=0.0, max_grad_norm=1e9, micro_batch_size=2, prompts_per_step=1,
                                         num_generations=4))
-    batch.old_logp, batch.old_entropy = empg.batched_logprobs_and_entropies(model, batch, 1.0, accelerator, 4, 2)
+    batch.old_logp, batch.old_entropy = empg.batched_logprobs(model, batch, 1.0, accelerator, 4, 2, with_entropy=True)
     with torch.no_grad():
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits

@@ -11,6 +11,7 @@ from accelerate import Accelerator
 import grpo_tools
 from grpo_tools import Batch, make_batch, micro_batches
 from tests.helpers import ROOT, SMALL, loss_of, resolved, run_grpo, two_processes
+from plumbing.engine import HFDecoder
 from plumbing.models import load_model
 from plumbing.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
 
@@ -45,8 +46,8 @@ def test_hf_decode_loop_stops_at_the_tool_stop_string():
     tokenizer, stop_ids = load_tokenizer(TOOLS_MODEL)
     model = load_model(TOOLS_MODEL, tokenizer).eval()
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in toy_mul_problems("test")[:16]]
-    samples = grpo_tools.ToolDecoder(stop_ids, [96] * 64).generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96,
-                                                                   Accelerator(cpu=True))
+    samples = HFDecoder(stop_ids, [96] * 64, [TOOL_STOP]).generate(model, tokenizer, prompts, 4, 1.0, 1.0, 96,
+                                                                  Accelerator(cpu=True))
     called = 0
     for sample in samples:
         text = tokenizer.decode(sample.token_ids)

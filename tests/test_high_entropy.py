@@ -75,8 +75,8 @@ def test_high_entropy_tokens_only_the_threshold_is_the_mini_batchs():
     args = dataclasses.replace(resolved(high_entropy, top_entropy_frac=0.2, max_grad_norm=1e9), num_minibatches=1)
     _, batch, old_logp = rollout(model, tokenizer, accelerator, 1.0)
     batch = high_entropy.Batch(**vars(with_advantages(batch, old_logp)))
-    batch.old_logp, batch.old_entropy = high_entropy.batched_logprobs_and_entropies(
-        model, batch, 1.0, accelerator, len(batch), 16)
+    batch.old_logp, batch.old_entropy = high_entropy.batched_logprobs(
+        model, batch, 1.0, accelerator, len(batch), 16, with_entropy=True)
     mask = batch.mask.bool()
     expected = torch.quantile(batch.old_entropy[mask], 0.8)
     updates = []

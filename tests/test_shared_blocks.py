@@ -71,6 +71,8 @@ FUNCTIONS_THAT_DIFFER = {  # (script, function) of a shared name whose text may 
     ("sft.py", "resolve_args"),  # its own learning-rate default, a group of 1 with gold targets, flags refused
     ("dpo.py", "resolve_args"),  # two sequences per prompt, an even micro-batch, the page refused
     ("opd.py", "resolve_args"),  # the teacher's file and vocabulary, the page refused
+    ("high_entropy.py", "batched_logprobs"),  # with_entropy: pi_old's entropies from the same pass as its log-probs
+    ("empg.py", "batched_logprobs"),  # high_entropy.py's
 }
 ALGORITHM_SPECIFIC_ARGS = {  # Args fields of the shared groups that may differ, and where (the algorithm's own group,
     "model": ("grpo_tools.py", "empg.py",  # e.g. `# GRPO`, always may): the embedded model warmed up to call the tool
