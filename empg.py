@@ -30,7 +30,6 @@ batched_logprobs(), compute_advantages(), modulate_advantages(), update_policy()
 
 import dataclasses
 import functools
-import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -47,8 +46,8 @@ from plumbing.evaluation import Evaluation
 from plumbing.memory import print_memory_estimate
 from plumbing.models import output_layer, resolve_model
 from plumbing.parallel import clip_gradients, gradient_sync, load_models
-from plumbing.tools import (TOOL_INSTRUCTION, TOOL_STOP, PythonSandbox, last_code_block, tool_metrics,
-                            tool_output_ids)
+from plumbing.tools import (TOOL_INSTRUCTION, TOOL_STOP, ToolArgs, check_tool_args, last_code_block, open_sandbox,
+                            tool_metrics, tool_output_ids)
 from plumbing.run import (RunArgs, check_batch_layout, check_fraction, check_positive, check_run_args,
                           largest_divisor, peak_memory, start_run, step_times, tail_fraction)
 from utils.rewards import RewardScorer
@@ -115,16 +114,8 @@ class Args:
     # tools
     max_turns: int = 2
     """tool calls per completion at most; the model's turn after the last call is its last"""
-    max_tool_tokens: int = 64
-    """tokens of one tool output block at most (its text is cut to fit)"""
-    tool_timeout: float = 5.0
-    """CPU seconds a tool call may use (code that waits instead is stopped at 3x this + 5 s of wall time); past it, the
-    process running it is killed and the call gets an error"""
-    tool_memory_mb: int = 512
-    """address-space limit of each sandbox process, on top of what it maps at start"""
-    tool_modules: tuple[str, ...] = ("math", "fractions", "statistics")
-    """modules each sandbox process imports at start: free to import in a call (a call runs as an unprivileged user,
-    which may not be able to read others); add numpy sympy for math tools (each call then costs more)"""
+    tool: tyro.conf.OmitArgPrefixes[ToolArgs] = field(default_factory=ToolArgs)
+    """the sandbox: --max_tool_tokens, --tool_timeout, --tool_memory_mb, --tool_modules (plumbing/tools.py ToolArgs)"""
     # engine/trainer mismatch
     tis_cap: float = 0.0
     """if > 0, weight the policy gradient by pi_old / pi_engine bounded by this cap (--tis_mode): the engine samples
@@ -155,12 +146,9 @@ def check_algorithm_args(args, num_processes):
     for name in ("k", "k_f", "zeta"):  # the paper's k, k' > 0 and zeta >= 0; 0 turns that part off
         if not 0 <= getattr(args, name) < float("inf"):
             raise ValueError(f"--{name} {getattr(args, name)}: must be a finite number >= 0")
-    if args.max_turns < 0 or args.max_tool_tokens < 16 or args.tool_timeout <= 0 or args.tool_memory_mb < 64:
-        raise ValueError("--max_turns must be >= 0, --max_tool_tokens >= 16, --tool_timeout > 0 and --tool_memory_mb "
-                         ">= 64")
-    missing = [name for name in args.tool_modules if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ValueError(f"--tool_modules: no module named {', '.join(missing)} here (install it, or leave it out)")
+    if args.max_turns < 0:
+        raise ValueError(f"--max_turns {args.max_turns}: must be >= 0 (0: no tool call)")
+    check_tool_args(args.tool)
 
 
 def compute_advantages(rewards, args):
@@ -280,7 +268,7 @@ def rollout(args, engine, model, tokenizer, sandbox, prompts, n, temperature, to
         results = sandbox.run([code if code is not None else "" for code in codes])
         for i, code, (output, error) in zip(calls, codes, results):
             error = "error: no ```python block to run" if code is None else error
-            ids = tool_output_ids(tokenizer, output, error, args.max_tool_tokens)
+            ids = tool_output_ids(tokenizer, output, error, args.tool.max_tool_tokens)
             c = completions[i]
             c["ids"] += ids
             c["logprobs"] += [0.0] * len(ids)
@@ -493,19 +481,15 @@ CONSOLE_KEYS = ["charts/reward", "charts/accuracy", "tools/call_frac", "tools/er
 
 
 def main(args):
-    run = start_run(__file__, args, resolve_args, tool_tokens=args.max_turns * args.max_tool_tokens,  # (room for it,
-                    tool_instruction=TOOL_INSTRUCTION)  # and the prompt says how to call the tool)
+    tool_tokens = args.max_turns * args.tool.max_tool_tokens  # room for the tool's output; the prompt says how to
+    run = start_run(__file__, args, resolve_args, tool_tokens=tool_tokens, tool_instruction=TOOL_INSTRUCTION)  # call it
     args, accelerator, tokenizer, G = run.args, run.accelerator, run.tokenizer, args.num_generations
     scorer = RewardScorer(args.task, args.answer_format, args.run.reward_workers, args.run.reward_timeout,
                           args.run.reward_memory_mb)  # workers (math, rg:) warm up meanwhile
-    # as many sandbox processes as reward workers: a turn's calls run in parallel
-    sandbox = PythonSandbox(args.run.reward_workers, args.tool_timeout,
-                            args.tool_memory_mb, modules=args.tool_modules)
-    if sandbox.warning:
-        accelerator.print(f"warning: {sandbox.warning}")
+    sandbox = open_sandbox(args.tool, args.run.reward_workers, accelerator.print)  # a turn's calls run at once
     model, optimizer, ref_model = load_models(args.model, args.learning_rate, args.run, tokenizer, accelerator,
                                               with_reference=args.beta > 0)  # AdamW; pi_ref frozen
-    completion_len = args.max_new_tokens + args.max_turns * args.max_tool_tokens  # the model's tokens and the tool's
+    completion_len = args.max_new_tokens + tool_tokens  # the model's tokens and the tool's
     engine = create_engine(args.run, args.model, args.seed + accelerator.process_index,
                            args.max_prompt_length + completion_len, run.stop_ids)
     print_memory_estimate(accelerator, engine, [model], [ref_model], args.micro_batch_size, args.max_prompt_length +

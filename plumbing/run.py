@@ -306,7 +306,7 @@ UNNAMED_FLAGS = ("exp_name", "seed", "resume", "output_dir", "threads", "track",
 def run_name(script, args, exp_name, model, task, seed):
     """The run's folder name: `<exp_name>__<seed>` when exp_name is given, else
     `<script>[__<model>__<task>__<hash>]__<seed>`, the hash (6 hex digits) taken over every field of the dataclass
-    `args` (its nested `run` flags too) that differs from its default, but UNNAMED_FLAGS. Two different commands
+    `args` (its nested flag groups' too) that differs from its default, but UNNAMED_FLAGS. Two different commands
     never share a folder, and the same command finds its own again (--resume); `python grpo.py` is grpo__1."""
     if exp_name:
         return f"{exp_name}__{seed}"
@@ -321,8 +321,9 @@ def run_name(script, args, exp_name, model, task, seed):
 
 
 def _flat(config):
-    """A dataclass's asdict with its nested run flags at the top level (their names do not collide)."""
-    return {**{k: v for k, v in config.items() if k != "run"}, **config.get("run", {})}
+    """A dataclass's asdict with its nested flag groups' flags (run, tool) at the top level (no name collides)."""
+    return {**{k: v for k, v in config.items() if not isinstance(v, dict)},
+            **{k: v for group in config.values() if isinstance(group, dict) for k, v in group.items()}}
 
 
 def find_checkpoint(run_dir):

@@ -64,7 +64,7 @@ import ctypes
 import errno
 import fcntl
 import gc
-import importlib
+import importlib.util
 import io
 import json
 import math
@@ -82,6 +82,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 
 from utils.rewards import default_reward_workers, limit_process
 
@@ -92,6 +93,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 NOBODY = 65534  # the unprivileged user of a root trainer's calls where no user of their own can be had
 TOOL_INSTRUCTION = ("Compute with Python when it helps: write a ```python block that prints what you need; it runs "
                     "when the block closes, and its output follows in an ```output block.")  # for chat models
+
+
+@dataclass
+class ToolArgs:
+    """The sandbox's flags, the same in grpo_tools.py and empg.py: their Args hold them as `tool` (flat flags)."""
+    max_tool_tokens: int = 64
+    """tokens of one tool output block at most (its text is cut to fit)"""
+    tool_timeout: float = 5.0
+    """CPU seconds a tool call may use (code that waits instead is stopped at 3x this + 5 s of wall time); past it, the
+    process running it is killed and the call gets an error"""
+    tool_memory_mb: int = 512
+    """address-space limit of each sandbox process, on top of what it maps at start"""
+    tool_modules: tuple[str, ...] = ("math", "fractions", "statistics")
+    """modules each sandbox process imports at start: free to import in a call (a call runs as an unprivileged user,
+    which may not be able to read others); add numpy sympy for math tools (each call then costs more)"""
+
+
+def check_tool_args(tool):
+    """ToolArgs' one-line errors, before any model loads."""
+    if tool.max_tool_tokens < 16 or tool.tool_timeout <= 0 or tool.tool_memory_mb < 64:
+        raise ValueError("--max_tool_tokens must be >= 16, --tool_timeout > 0 and --tool_memory_mb >= 64")
+    missing = [name for name in tool.tool_modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"--tool_modules: no module named {', '.join(missing)} here (install it, or leave it out)")
+
+
+def open_sandbox(tool, num_workers, say):
+    """The PythonSandbox of these flags with num_workers processes; say() prints what its calls' world lacks here."""
+    sandbox = PythonSandbox(num_workers, tool.tool_timeout, tool.tool_memory_mb, modules=tool.tool_modules)
+    if sandbox.warning:
+        say(f"warning: {sandbox.warning}")
+    return sandbox
 
 
 def last_code_block(text):

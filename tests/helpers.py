@@ -44,13 +44,14 @@ def run_grpo(args, out_dir, timeout=600, launcher=(sys.executable,), check=True,
 
 
 def resolved(module, num_processes=1, **overrides):
-    """An algorithm script's Args with these overrides (a RunArgs field goes to args.run), defaults filled and
-    checked as at the start of a run."""
-    from plumbing.run import RunArgs
-
-    run_fields = {field.name for field in dataclasses.fields(RunArgs)}
-    run = RunArgs(**{k: v for k, v in overrides.items() if k in run_fields})
-    args = module.Args(run=run, **{k: v for k, v in overrides.items() if k not in run_fields})
+    """An algorithm script's Args with these overrides (a field of a nested flag group, RunArgs or ToolArgs, goes to
+    that group), defaults filled and checked as at the start of a run."""
+    groups = {field.name: field.default_factory for field in dataclasses.fields(module.Args)
+              if dataclasses.is_dataclass(field.default_factory)}
+    members = {name: {field.name for field in dataclasses.fields(group)} for name, group in groups.items()}
+    args = module.Args(**{name: group(**{k: v for k, v in overrides.items() if k in members[name]})
+                          for name, group in groups.items()},
+                       **{k: v for k, v in overrides.items() if not any(k in names for names in members.values())})
     return module.resolve_args(args, num_processes)
 
 

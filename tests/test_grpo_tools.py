@@ -13,7 +13,8 @@ from grpo_tools import Batch, make_batch, micro_batches
 from tests.helpers import ROOT, SMALL, loss_of, resolved, run_grpo, two_processes
 from plumbing.engine import HFDecoder
 from plumbing.models import load_model
-from plumbing.tools import TOOL_STOP, PythonSandbox, last_code_block, output_block, tool_output_ids
+from plumbing.run import run_name
+from plumbing.tools import TOOL_STOP, PythonSandbox, ToolArgs, last_code_block, output_block, tool_output_ids
 
 TOOLS_MODEL = os.path.join(ROOT, "toy_model", "tools")
 
@@ -146,6 +147,10 @@ def test_tool_arguments():
     assert resolved(grpo_tools, model=TOOLS_MODEL).max_new_tokens == 96
     assert resolved(grpo_tools, model=TOOLS_MODEL, max_new_tokens=40).max_new_tokens == 40
     assert resolved(grpo_tools, model=TOOLS_MODEL).learning_rate == 5e-4  # the other embedded defaults are kept
+    # the sandbox's flags (args.tool) name the run as the algorithm's do
+    names = {run_name("grpo_tools", a, None, a.model, a.task, 1) for a in
+             (grpo_tools.Args(), grpo_tools.Args(tool=ToolArgs(tool_timeout=3.0)), grpo_tools.Args(max_turns=1))}
+    assert len(names) == 3 and "grpo_tools__1" in names
 
 
 @pytest.mark.slow

@@ -172,8 +172,8 @@ args = resolved(grpo_tools, engine="vllm", model=os.path.join(grpo_tools.TOY_MOD
 accelerator = Accelerator(cpu=True)
 tokenizer, stop_ids = load_tokenizer(args.model)
 model = load_model(args.model, tokenizer).eval()
-engine = create_engine(args.run, args.model, args.seed,
-                       args.max_prompt_length + args.max_new_tokens + args.max_turns * args.max_tool_tokens, stop_ids)
+context = args.max_prompt_length + args.max_new_tokens + args.max_turns * args.tool.max_tool_tokens
+engine = create_engine(args.run, args.model, args.seed, context, stop_ids)
 pushes = []  # the engine's weight pushes (one collective_rpc each)
 rpc = engine.llm.collective_rpc
 engine.llm.collective_rpc = lambda *a, **k: (pushes.append(1), rpc(*a, **k))[1]
