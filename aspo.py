@@ -308,10 +308,11 @@ def token_entropy(logits, temperature):
     """H = -sum_v p_v log p_v of p = softmax(z / T) at each position (n,), accurate to ~1e-7 relative where one p_v is
     near 1 (the loss never takes it: a statistic). With d_v = (z_v - max z) / T and s = sum of e^d_v over every v but
     the argmax (whose term is 1): log p_v = d_v - log1p(s) and H = log1p(s) - sum_v e^d_v d_v / (1 + s), two terms
-    >= 0, where logsumexp(z) - sum p_v z_v cancels; in float64, a quarter of the chunk's positions at a time (no more
-    memory than its float32 logits)."""
+    >= 0, where logsumexp(z) - sum p_v z_v cancels; in float64 pieces of CHUNK_BYTES / 2 bytes, whatever the chunk's
+    length (glibc maps a piece that size on its own and hands it back when freed; smaller ones fragment its heap and
+    stay resident)."""
     parts = []
-    for z in logits.split(max(1, len(logits) // 4)):
+    for z in logits.split(max(1, CHUNK_BYTES // (16 * logits.shape[-1]))):
         d = (z.double() - z.amax(-1, keepdim=True)) / temperature
         e = d.exp().scatter_(-1, d.argmax(-1, keepdim=True), 0.0)
         s = e.sum(-1)
