@@ -447,8 +447,7 @@ def main(args):
         # 1. Pairs: per prompt of this process, (prompt, [chosen, rejected]), or None when its samples hold no pair.
         rollout = None
         if args.data == "file":
-            pairs = [(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"], [r["chosen"], r["rejected"]])
-                     for r in step_rows(step)]
+            pairs = [(r["prompt_ids"], [r["chosen"], r["rejected"]]) for r in step_rows(step)]
         elif args.data == "offline":  # this process's share of the pool, drawn from (seed, step) alone
             picks = np.random.default_rng([args.seed, step]).choice(len(pool), local_prompts, len(pool) < local_prompts)
             pairs = [pool[i] for i in picks]

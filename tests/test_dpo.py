@@ -206,11 +206,12 @@ def test_the_preference_file_loads_plain_and_conversational_rows():
     tokenizer, _ = load_tokenizer(TOY_MODEL_DIR)
     rows, summary = load_preferences(PAIRS, tokenizer, "answer_tags", "system", 512, 48)
     assert len(rows) == 256 and rows[0]["prompt"] == rows[0]["question"] == "00+00="
+    assert rows[0]["prompt_ids"] == tokenizer("00+00=", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(rows[0]["chosen"]) == "<answer>000</answer>" + tokenizer.eos_token
     assert rows[0]["rejected"][-1] == tokenizer.eos_token_id and rows[0]["rejected"] != rows[0]["chosen"]
     chat, _ = load_preferences(CHAT_PAIRS, tokenizer, "answer_tags", "system", 512, 48)
-    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in chat] == [(r["prompt"], r["chosen"], r["rejected"])
-                                                                          for r in rows[:32]]
+    columns = ("prompt", "prompt_ids", "chosen", "rejected")
+    assert [[r[c] for c in columns] for r in chat] == [[r[c] for c in columns] for r in rows[:32]]
     short, summary = load_preferences(PAIRS, tokenizer, "answer_tags", "system", 512, 8)
     assert len(short[0]["chosen"]) == 8 and summary.endswith("chosen 256, rejected 256")
     assert "256 rows" in summary

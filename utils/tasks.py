@@ -348,11 +348,11 @@ def load_preferences(source, tokenizer, answer_format, instruction, max_prompt_l
             question = prompt[-1]["content"]
         else:
             text, question = format_prompt(tokenizer, prompt, answer_format, instruction), prompt
-        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if length > max_prompt_length:
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if (length := len(prompt_ids)) > max_prompt_length:
             raise ValueError(f"--pairs {source}: row {number}'s prompt has {length} tokens, over --max_prompt_length "
                              f"{max_prompt_length}: raise it, or leave the row out")
-        out = {"prompt": text, "question": question}
+        out = {"prompt": text, "prompt_ids": prompt_ids, "question": question}
         for column in ("chosen", "rejected"):
             completion = row[column]
             content = completion[-1]["content"] if isinstance(completion, list) and completion else completion
