@@ -158,6 +158,22 @@ def main():
             chosen = [p[2] for p in points if p[0] == name and lo <= p[1] < hi]
             cells.append(f"{np.mean(chosen):.3f} ({len(chosen)})" if chosen else "")
         lines.append(f"| [{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'} | " + " | ".join(cells) + " |")
+    lines += ["", "Per run (samples: the training rollouts' accuracy over every step; pairs: DPO's pairs made, and the "
+              "steps that trained on one; logps/chosen: DPO's first and last evaluation step):", "",
+              "| method | lr | seed | sample accuracy | pairs | steps trained | last eval: new task, forward KL | "
+              "logps/chosen, rejected |", "|---" * 8 + "|"]
+    for (name, lr, seed), (rows, _) in zip(jobs, results):
+        evals = [row for row in rows if "eval/pass@1_greedy" in row]
+        pairs = [row for row in rows if "dpo/pairs_made" in row]
+        logps = [row for row in evals if "logps/chosen" in row]
+        lines.append(f"| {name} | {lr} | {seed} | " + " | ".join([
+            f"{np.mean([r['charts/accuracy'] for r in rows if 'charts/accuracy' in r]):.4f}" if any(
+                "charts/accuracy" in r for r in rows) else "",
+            f"{sum(r['dpo/pairs_made'] for r in pairs):.0f}" if pairs else "",
+            f"{sum(r.get('dpo/pairs_trained', 0) > 0 for r in pairs)}" if pairs else "",
+            f"{evals[-1]['eval/pass@1_greedy']:.3f}, {evals[-1].get('eval/forward_kl', np.nan):.2f}" if evals else "",
+            " → ".join(f"{r['logps/chosen']:.2f}, {r['logps/rejected']:.2f}" for r in (logps[0], logps[-1]))
+            if logps else ""]) + " |")
     path = write_results(args.name, lines)
     plt = pyplot()
     if plt is not None:
