@@ -125,10 +125,15 @@ def pyplot():
     return plt
 
 
+def results_dir():
+    """benchmarks/results, or the folder in the environment variable TINYRL_RESULTS (as the tests set it)."""
+    return os.environ.get("TINYRL_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
+
+
 def write_results(name, lines, out=None):
-    """Print a results table and write it to <out>/<name>.md (out: benchmarks/results, or the folder in the
-    environment variable TINYRL_RESULTS, as the tests set it); returns the path without its suffix."""
-    out = out or os.environ.get("TINYRL_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
+    """Print a results table and write it to <out>/<name>.md (out: results_dir()); returns the path without its
+    suffix."""
+    out = out or results_dir()
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     with open(path + ".md", "w") as f:

@@ -5,7 +5,7 @@ settings.
     python benchmarks/vs_trl.py                       # toy: 3 seeds x 250 steps, the sides alternating, one at a time
     python benchmarks/vs_trl.py --seeds 1 --steps 20 --name vs_trl_smoke
     python benchmarks/vs_trl.py --pool vs_trl vs_trl_repeat  # medians over the runs of several invocations together
-    python benchmarks/vs_trl.py --real --seeds 1 2 --steps 30 --name vs_trl_smollm2  # SmolLM2-135M, rg:chain_sum
+    python benchmarks/vs_trl.py --real --seeds 1 2 3 --steps 30 --keep_runs --name vs_trl_smollm2  # SmolLM2-135M
 
 Each seed runs `python grpo.py` and TRL 1.16's GRPOTrainer (this file with --side trl) in subprocesses, one at a time,
 alternating which side goes first. TRL gets a dataset listing, step after step, exactly the prompts grpo.py draws at
@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from real_model import MODEL_TASK  # noqa: E402
-from toy_runs import pyplot, seconds_to, step_reaching, write_results  # noqa: E402
+from toy_runs import pyplot, results_dir, seconds_to, step_reaching, write_results  # noqa: E402
 
 TOY_LEVELS, REAL_LEVELS = [0.7, 0.8, 0.9], [0.1, 0.15, 0.2]  # reward (10-step moving average) levels to time
 GRPO_FLAGS = ["--adv_eps", "1e-4", "--eval_every", "0", "--save_every", "0", "--log_completions_every", "0"]
@@ -182,21 +182,46 @@ def pool(names, seeds, levels):
         ["median step", *(f"s to {level}" for level in levels)], *medians.values())))
 
 
-def run_side(side, seed, steps, out_dir, reuse, real):
+def cpu_name():
+    """The CPU's model name and its widest vector extension (step times differ by ~2x between AVX2 and AVX-512 here)."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return f"{name}, " + next((ext for flag, ext in [("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")]
+                               if flag in flags), "no AVX2")
+
+
+def run_side(side, seed, steps, out_dir, reuse, real, kept):
+    """One side's run of one seed, or (reuse) the finished run of the same command in out_dir or in `kept`, the folder
+    where --keep_runs copies each finished run's metrics and benchmark.json (a table of several invocations' runs)."""
     run_dir = os.path.join(out_dir, f"{side}__{seed}")
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--exp_name", "grpo", "--seed", str(seed), "--total_steps",
            str(steps), "--output_dir", out_dir, *GRPO_FLAGS, *(MODEL_TASK if real else [])] if side == "grpo" else [
         sys.executable, os.path.abspath(__file__), "--side", "trl", "--seeds", str(seed), "--steps", str(steps),
         "--out_dir", out_dir, *(["--real"] if real else [])]
-    done = os.path.join(run_dir, "benchmark.json")
-    if not (reuse and os.path.exists(done) and json.load(open(done))["cmd"][1:] == cmd[1:]):
+
+    def finished(folder):  # a run of this command (the interpreter aside; paths in this checkout relative to it)
+        in_root = lambda args: [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in args[1:]]  # noqa: E731
+        done = os.path.join(folder, "benchmark.json")
+        return os.path.exists(done) and in_root(json.load(open(done))["cmd"]) == in_root(cmd)
+
+    kept_dir = kept and os.path.join(kept, f"{side}__{seed}")
+    if reuse and not finished(run_dir) and kept_dir and finished(kept_dir):
+        run_dir = kept_dir
+    elif not (reuse and finished(run_dir)):
         shutil.rmtree(run_dir, ignore_errors=True)
         start = time.time()
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(done, "w") as f:
-            json.dump({"cmd": cmd, "wall_s": time.time() - start, "loadavg_1min": os.getloadavg()[0]}, f)
+        with open(os.path.join(run_dir, "benchmark.json"), "w") as f:
+            json.dump({"cmd": cmd, "wall_s": time.time() - start, "loadavg_1min": os.getloadavg()[0],
+                       "cpu": cpu_name()}, f)
+    if kept_dir and run_dir != kept_dir:
+        os.makedirs(kept_dir, exist_ok=True)
+        for name in ("metrics.jsonl", "benchmark.json"):
+            shutil.copy(os.path.join(run_dir, name), kept_dir)
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {"side": side, "seed": seed, "rows": rows, **json.load(open(done))}
+    return {"side": side, "seed": seed, "rows": rows, "cpu": "?", **json.load(open(os.path.join(run_dir,
+                                                                                               "benchmark.json")))}
 
 
 def main():
@@ -208,7 +233,11 @@ def main():
                         "real_model.py's settings), reward levels 0.1, 0.15, 0.2")
     parser.add_argument("--name", default="vs_trl", help="results file name")
     parser.add_argument("--out_dir", default=None, help="default: runs/benchmarks/<name>")
-    parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command")
+    parser.add_argument("--reuse", action="store_true", help="read finished runs of the same command (from --out_dir, "
+                        "else from the --keep_runs copies)")
+    parser.add_argument("--keep_runs", action="store_true", help="copy each finished run's metrics.jsonl and "
+                        "benchmark.json to benchmarks/results/<name>_runs/<side>__<seed>/, where --reuse finds them: "
+                        "a table of runs made by several invocations (--real's runs take hours)")
     parser.add_argument("--pool", nargs="+", metavar="NAME", help="print the medians over the finished runs of these "
                         "names' invocations together (with --seeds), and exit")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # internal: one TRL run
@@ -224,7 +253,8 @@ def main():
     results = []
     for i, seed in enumerate(args.seeds):  # one run at a time; the side that goes first alternates
         for side in (("grpo", "trl") if i % 2 == 0 else ("trl", "grpo")):
-            results.append(run_side(side, seed, args.steps, out_dir, args.reuse, args.real))
+            results.append(run_side(side, seed, args.steps, out_dir, args.reuse, args.real,
+                                    args.keep_runs and os.path.join(results_dir(), f"{args.name}_runs")))
             print(f"{side} seed {seed}: {results[-1]['wall_s']:.0f} s", flush=True)
 
     def per_seed(side, fn):
@@ -238,10 +268,13 @@ def main():
                       "step_at": median(per_seed(side, lambda rows: step_reaching(rows, levels[-1]))),
                       **{level: median(per_seed(side, lambda rows: seconds_to(rows, level))) for level in levels}}
                for side in ("grpo", "trl")}
-    loads = [r["loadavg_1min"] for r in results]
+    loads, cpus = [r["loadavg_1min"] for r in results], {r["cpu"]: [] for r in results}
+    for r in results:
+        cpus[r["cpu"]].append(f"{r['side']} {r['seed']}")
     lines = [f"# {args.name}", "", f"Command: `python benchmarks/vs_trl.py --seeds {' '.join(map(str, args.seeds))} "
              f"--steps {args.steps}{' --real' * args.real} --name {args.name}`; runs one at a time, 1-min load "
-             f"average at the end of each run {min(loads):.2f}-{max(loads):.2f}.", "",
+             f"average at the end of each run {min(loads):.2f}-{max(loads):.2f}; CPU: "
+             + "; ".join(f"{cpu} ({', '.join(runs)})" for cpu, runs in cpus.items()) + ".", "",
              "| side | seed | reward first 5 | reward last 5 | median step s | "
              + " | ".join(f"s to {level}" for level in levels) + f" | step at {levels[-1]} | wall s |",
              "|" + "---|" * (7 + len(levels))]

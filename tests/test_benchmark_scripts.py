@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -391,14 +392,22 @@ def test_vllm_start_times_an_engine(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
 def test_vs_trl_runs_both_sides(tmp_path):
     """grpo.py and TRL's GRPOTrainer side by side, 2 steps each on the toy: both write their metrics, the table has
-    both sides and their ratio."""
-    out = run_benchmark(["benchmarks/vs_trl.py", "--seeds", "1", "--steps", "2", "--name", "trl", "--out_dir",
-                         str(tmp_path / "runs")], tmp_path, timeout=900)
-    assert (tmp_path / "trl.md").read_text().strip() in out
+    both sides and their ratio; --keep_runs copies the finished runs where a later --reuse reads them without the run
+    folders (the same table, no run)."""
+    command = ["benchmarks/vs_trl.py", "--seeds", "1", "--steps", "2", "--name", "trl", "--keep_runs", "--out_dir",
+               str(tmp_path / "runs")]
+    out = run_benchmark(command, tmp_path, timeout=900)
+    table = (tmp_path / "trl.md").read_text()
+    assert table.strip() in out and "; CPU: " in table
     for side in ("grpo", "trl"):
         rows = (tmp_path / "runs" / f"{side}__1" / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == 2, side
+        assert (tmp_path / "trl_runs" / f"{side}__1" / "metrics.jsonl").read_text().splitlines() == rows
     assert "| grpo / trl |" in out
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "trl.md").unlink()
+    run_benchmark([*command, "--reuse"], tmp_path, timeout=300)
+    assert (tmp_path / "trl.md").read_text() == table and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow
