@@ -200,8 +200,10 @@ def run_side(side, seed, steps, out_dir, reuse, real, kept):
         sys.executable, os.path.abspath(__file__), "--side", "trl", "--seeds", str(seed), "--steps", str(steps),
         "--out_dir", out_dir, *(["--real"] if real else [])]
 
-    def finished(folder):  # a run of this command (the interpreter aside; paths in this checkout relative to it)
-        in_root = lambda args: [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in args[1:]]  # noqa: E731
+    def in_root(args):  # a command without its interpreter, with paths in this checkout relative to it
+        return [os.path.relpath(a, ROOT) if a.startswith(ROOT + os.sep) else a for a in args[1:]]
+
+    def finished(folder):  # a finished run of this command
         done = os.path.join(folder, "benchmark.json")
         return os.path.exists(done) and in_root(json.load(open(done))["cmd"]) == in_root(cmd)
 
