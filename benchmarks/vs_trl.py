@@ -183,7 +183,7 @@ def pool(names, seeds, levels):
 
 
 def cpu_name():
-    """The CPU's model name and its widest vector extension (step times differ by ~2x between AVX2 and AVX-512 here)."""
+    """The CPU's model name and its widest vector extension: step times of runs on different CPUs do not compare."""
     info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
