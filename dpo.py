@@ -22,8 +22,10 @@ Where the pairs come from (--data):
   chosen, rejected; plain text, or conversational lists of {role, content} messages).
 - offline: at the start, G samples of each of --offline_prompts training prompts from the initial policy (the paper's
   pi_SFT), scored by the task's verifiable reward: a correct sample chosen, an incorrect one rejected; a prompt without
-  both makes no pair. The pool is saved in the run's folder (a resumed run reads it back); each step draws its pairs
-  from it.
+  both makes no pair (--pairs_by reward: the sample of the highest reward chosen, of the lowest rejected, a pair
+  wherever the two differ, as online iterative DPO's best-of-n and worst-of-n, arXiv 2405.07863; with the
+  format reward, a formatted wrong answer is preferred to an unformatted one). The pool is saved in the run's folder
+  (a resumed run reads it back); each step draws its pairs from it.
 - online: pairs made the same way from the current policy's samples of each step's prompts (online DPO); a prompt
   without a pair keeps its place with weight 0. Offline and online differ in which policy sampled, what the question
   whether on-policy data forgets less needs (arXiv 2509.04259).
@@ -75,6 +77,9 @@ class Args:
     format)"""
     num_generations: int = 8
     """G, samples per prompt that a pair is chosen from (offline, online)"""
+    pairs_by: Literal["correctness", "reward"] = "correctness"
+    """offline, online: a correct sample chosen and an incorrect one rejected, or (reward) the highest- and the
+    lowest-reward sample of the G"""
     offline_prompts: int = 1024
     """offline: the training prompts whose samples make the pool of pairs at the start (each step draws its pairs
     from the pool)"""
@@ -142,14 +147,18 @@ def check_algorithm_args(args, num_processes):
         raise ValueError(f"--offline_prompts {args.offline_prompts}: at least one per process ({num_processes})")
 
 
-def choose_pairs(accuracy, rewards, num_generations):
+def choose_pairs(accuracy, rewards, num_generations, by="correctness"):
     """Per group of G = num_generations samples of one prompt: (chosen, rejected) sample indices, the correct sample
     of the highest reward and the incorrect one of the lowest (the first of equals), or None when the group has no
-    correct or no incorrect sample. Example (G = 4): accuracy (0, 1, 1, 0), rewards (0.1, 1.1, 1.0, 0) -> (1, 3)."""
+    correct or no incorrect sample. Example (G = 4): accuracy (0, 1, 1, 0), rewards (0.1, 1.1, 1.0, 0) -> (1, 3).
+    by="reward": the highest- and the lowest-reward sample, or None when all rewards are equal; accuracy (0, 0, 0, 0),
+    rewards (0, 0.1, 0, 0.1) -> (1, 0)."""
     pairs = []
     for start in range(0, len(accuracy), num_generations):
         group = range(start, start + num_generations)
         right, wrong = [i for i in group if accuracy[i] == 1], [i for i in group if accuracy[i] != 1]
+        if by == "reward":  # the best of the group against its worst
+            right = wrong = list(group) if len({rewards[i] for i in group}) > 1 else []
         pairs.append((max(right, key=lambda i: rewards[i]), min(wrong, key=lambda i: rewards[i]))
                      if right and wrong else None)
     return pairs
@@ -432,7 +441,7 @@ def main(args):
         accuracy, formats, failures = scorer.result(scoring)
         rewards = torch.tensor(accuracy) + args.format_reward_weight * torch.tensor(formats)
         pairs = [(prompt, pair and [samples[pair[0]], samples[pair[1]]])
-                 for prompt, pair in zip(prompts, choose_pairs(accuracy, rewards.tolist(), G))]
+                 for prompt, pair in zip(prompts, choose_pairs(accuracy, rewards.tolist(), G, args.pairs_by))]
         return pairs, dict(samples=samples, accuracy=accuracy, formats=formats, rewards=rewards, failures=failures,
                            scoring=scoring, sync_time=sync_time, rows=[r for r in rows for _ in range(G)], texts=texts)
 

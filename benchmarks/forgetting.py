@@ -6,7 +6,8 @@ SFT, and the forward KL to the base policy on the new task predicts forgetting, 
     python benchmarks/forgetting.py --methods grpo:1e-5 sft:3e-6 sft:1e-6 rft:1e-5 --seeds 1 2 --steps 40
 
 Every run is a script of this repository in a subprocess (`grpo.py`, `sft.py --data gold`, `sft.py --data rft`,
-`dpo.py --data offline` (a pool of --steps x 4 prompts) and `--data online`, `opd.py --teacher`) with the shared
+`dpo.py --data offline` (a pool of --steps x 4 prompts) and `--data online`, each also `--pairs_by reward`
+(dpo_offline_reward, dpo_online_reward), `opd.py --teacher`) with the shared
 settings, tracking the prior tasks and the forward KL at every evaluation (--prior_tasks, --kl_prompts:
 plumbing/evaluation.py Tracking); the untrained model is evaluated once with --eval_only. A method is NAME:LR. Runs
 go `--parallel` at a time, each on `--threads` threads. Writes benchmarks/results/<name>.md and .png: per method,
@@ -42,6 +43,8 @@ SETTINGS = ["--model", "smollm2-135m", "--task", TASK, "--instruction", "user", 
 METHODS = {"grpo": ("grpo.py",), "sft": ("sft.py", "--data", "gold"), "rft": ("sft.py", "--data", "rft"),
            "dpo_offline": ("dpo.py", "--data", "offline"),  # pairs from the untrained model's samples (a pool of
            "dpo_online": ("dpo.py", "--data", "online"),  # --steps x 4 prompts), or from the current policy's
+           "dpo_offline_reward": ("dpo.py", "--data", "offline", "--pairs_by", "reward"),  # the best and the worst
+           "dpo_online_reward": ("dpo.py", "--data", "online", "--pairs_by", "reward"),  # sample by reward
            "opd": ("opd.py",)}  # distilling --teacher
 
 
@@ -110,6 +113,7 @@ def main():
     if "opd" in dict(methods) and args.teacher is None:
         raise SystemExit("error: --methods opd distills a teacher: pass --teacher MODEL_FOLDER")
     own = {"dpo_offline": ["--offline_prompts", str(args.steps * 4)], "opd": ["--teacher", str(args.teacher)]}
+    own["dpo_offline_reward"] = own["dpo_offline"]
     jobs = [(name, lr, seed) for seed in args.seeds for name, lr in methods]  # every method once, then again
     with ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(lambda job: run(f"{job[0]}_lr{job[1]}", (*METHODS[job[0]], *own.get(job[0], [])), [

@@ -199,6 +199,13 @@ def test_a_pair_is_a_right_and_a_wrong_sample_of_one_prompt():
     assert "-> (1, 3)" in dpo.choose_pairs.__doc__
 
 
+def test_by_reward_a_pair_is_the_best_and_the_worst_sample():
+    accuracy, rewards = [0, 0, 0, 0, 1, 0, 0, 1, 1, 1, 1, 1], [0, 0.1, 0, 0.1, 1.1, 0, 0.1, 1.0, 1.1, 1.1, 1.1, 1.1]
+    assert dpo.choose_pairs(accuracy, rewards, 4, "reward") == [(1, 0), (4, 5), None]  # the docstring's; all equal
+    assert dpo.choose_pairs(accuracy, rewards, 4) == [None, (4, 5), None]  # all wrong makes no correctness pair
+    assert "-> (1, 0)" in dpo.choose_pairs.__doc__
+
+
 def test_the_preference_file_loads_plain_and_conversational_rows():
     """TRL's format: a plain prompt gets the chat template and the answer instruction as every task's does (raw text
     for the template-less embedded model); a conversational one its messages; each completion ends with EOS;
@@ -254,8 +261,9 @@ def test_a_missing_preference_file_stops_the_run_before_any_model_loads(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["offline", "online", "file"])
 def test_each_pair_source_runs_and_the_first_step_is_at_the_reference(tmp_path, data):
+    offline = ["--offline_prompts", "32", "--pairs_by", "reward"]  # (the resume test below runs the default rule)
     flags = ["--data", data, "--total_steps", "2", "--eval_every", "2", *SMALL] + (
-        ["--pairs", PAIRS] if data == "file" else ["--offline_prompts", "32"] if data == "offline" else [])
+        ["--pairs", PAIRS] if data == "file" else offline if data == "offline" else [])
     _, rows = run_grpo(flags, tmp_path, script="dpo.py")
     first = rows[0]
     assert first["losses/dpo"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0
