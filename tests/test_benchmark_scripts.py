@@ -354,9 +354,11 @@ def test_sandbox_channels_measures_each_channel_at_a_tiny_size(tmp_path):
                          "--slot_ms", "20"], tmp_path, timeout=120)
     assert (tmp_path / "sandbox_channels.md").read_text().strip() in out
     inode = table_rows(out, 8)[2:]
-    for name in ("without the cap", "the sandbox"):
-        assert [(row[2], row[1]) for row in inode if row[0] == name] == [("1", "1"), ("1", "2"), ("2", "1"),
-                                                                        ("2", "2")], inode
+    for name in ("without the cap", "the sandbox"):  # each K in order, for each number of bits below the symbol;
+        for below in ("1", "2"):  # a sweep stops after a K at which every sender hit the CPU limit (a busy machine)
+            sweep = [row for row in inode if row[0] == name and row[2] == below]
+            assert sweep and [row[1] for row in sweep] == ["1", "2"][:len(sweep)], inode
+            assert len(sweep) == 2 or sweep[-1][6] == "1/1", inode
     pages = table_rows(out, 7)[2:]
     assert [row[1:3] for row in pages] == [["1", "the next call"], ["1", "the call after it"], ["2", "the next call"],
                                            ["3", "the next call"], ["4", "the next call"], ["4", "the call after it"]]
