@@ -141,6 +141,9 @@ def check_algorithm_args(args, num_processes):
         raise ValueError(f"--beta {args.beta}: must be > 0 (the implicit reward's scale)")
     if (args.data == "file") != (args.pairs is not None):
         raise ValueError("--data file reads --pairs (a preference file or hub dataset); --pairs is --data file's only")
+    if args.data == "file" and args.pairs_by != "correctness":
+        raise ValueError(f"--pairs_by {args.pairs_by}: chooses among sampled completions (--data offline, online); "
+                         "a --pairs file's pairs are given")
     if args.data != "file" and args.num_generations < 2:
         raise ValueError(f"--num_generations {args.num_generations}: a pair needs >= 2 samples of a prompt")
     if args.data == "offline" and args.offline_prompts < num_processes:

@@ -112,8 +112,8 @@ def main():
     base = base_rows[-1]
     if "opd" in dict(methods) and args.teacher is None:
         raise SystemExit("error: --methods opd distills a teacher: pass --teacher MODEL_FOLDER")
-    own = {"dpo_offline": ["--offline_prompts", str(args.steps * 4)], "opd": ["--teacher", str(args.teacher)]}
-    own["dpo_offline_reward"] = own["dpo_offline"]
+    offline_pool = ["--offline_prompts", str(args.steps * 4)]
+    own = {"dpo_offline": offline_pool, "dpo_offline_reward": offline_pool, "opd": ["--teacher", str(args.teacher)]}
     jobs = [(name, lr, seed) for seed in args.seeds for name, lr in methods]  # every method once, then again
     with ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(lambda job: run(f"{job[0]}_lr{job[1]}", (*METHODS[job[0]], *own.get(job[0], [])), [

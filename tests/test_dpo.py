@@ -241,6 +241,7 @@ def test_bad_preference_rows_are_one_line_errors(tmp_path, edit, message):
 @pytest.mark.parametrize("overrides, message", [
     (dict(data="file"), "--data file reads --pairs"),
     (dict(pairs=PAIRS), "--pairs is --data file's only"),
+    (dict(data="file", pairs=PAIRS, pairs_by="reward"), "--pairs_by reward: chooses among sampled completions"),
     (dict(beta=0.0), "--beta 0.0: must be > 0"),
     (dict(micro_batch_size=3), "must be even"),
     (dict(num_generations=1), "a pair needs >= 2 samples"),
